@@ -1,0 +1,14 @@
+"""compilelm: a torch.compile-based compiler stack for serving LLMs."""
+
+from compilelm.outputs import CompletionOutput, RequestOutput
+from compilelm.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+
+
+def __getattr__(name):  # LLM pulls in torch + transformers: import it on first use
+    if name == "LLM":
+        from compilelm.llm import LLM
+        return LLM
+    raise AttributeError(name)

