@@ -1,0 +1,1 @@
+"""The serving runtime: requests, KV-cache blocks, scheduling, model running, the engine."""

@@ -1,0 +1,191 @@
+"""Continuous-batching scheduler: which requests run this step, and how many tokens each.
+
+Every step is one flat batch under a token budget. Running requests go first, in arrival
+order: a decode takes one token, an unfinished prefill its next chunk. When the KV cache has no
+room, the latest-arrived running request is preempted (its blocks freed, to be recomputed
+later) until the allocation fits. Then waiting requests are admitted first come, first served,
+their prompts chunked to the budget that is left. There is no separate prefill or decode phase.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from compilelm.config import SchedulerConfig
+from compilelm.runtime.kv_cache_manager import KVCacheManager
+from compilelm.runtime.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens to run: all_token_ids[num_computed_tokens : + num_new_tokens]
+    num_computed_tokens: int  # tokens already in the KV cache (position of the first new token)
+    block_ids: list[int]  # the request's whole block table after allocation
+    do_sample: bool  # this step reaches the last known token, so sample the next one
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted_request_ids: list[str]
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in arrival order; the tail is preempted first
+        self.num_preemptions = 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def add_request(self, request: Request) -> None:
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {request.request_id!r}: prompt_token_ids is empty")
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+
+        # running: decodes and the next chunks of partial prefills
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is RequestStatus.PREEMPTED:
+                break
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            i += 1
+
+        # waiting: admit in FCFS order; after a preemption the cache is too tight to admit more
+        max_num_seqs = self.config.max_num_seqs
+        while self.waiting and not preempted and budget > 0 and len(self.running) < max_num_seqs:
+            request = self.waiting[0]
+            computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_cached
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
+                break
+            self.waiting.popleft()
+            if request.status is RequestStatus.WAITING:
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+        return SchedulerOutput(scheduled, [r.request_id for r in preempted])
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance progress by what ran, append the sampled tokens, finish stopped requests.
+        Returns the requests that got a new token this step (finished ones included)."""
+        got_token = []
+        for s in output.scheduled:
+            request = s.request
+            if request.is_finished:  # aborted between schedule() and now
+                continue
+            request.num_computed_tokens += s.num_new_tokens
+            if not s.do_sample:
+                continue
+            request.append_output_token(sampled[request.request_id])
+            got_token.append(request)
+            status = self._check_stop(request)
+            if status is not None:
+                self._finish(request, status)
+        if any(r.is_finished for r in got_token):
+            self.running = [r for r in self.running if not r.is_finished]
+        return got_token
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside the step: aborts, and stop strings the detokenizer found."""
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"status must be a finished status, got {status.name}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue  # unknown or already finished
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(
+            request=request,
+            num_new_tokens=num_new,
+            num_computed_tokens=request.num_computed_tokens,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            do_sample=request.num_computed_tokens + num_new == request.num_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Preempt by recompute: drop the cache, go back to the front of the queue."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        token = request.output_token_ids[-1]
+        # EOS and stop ids only count once min_tokens are out; lengths always do.
+        if request.num_output_tokens >= params.min_tokens:
+            if token == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in (params.stop_token_ids or ()):
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
