@@ -1,0 +1,212 @@
+"""Turns the last-position logits of a batch into one token per request.
+
+Order (vLLM's): logprobs from the raw logits -> min_tokens mask -> penalties -> greedy argmax, or
+temperature -> top-k -> top-p -> min-p -> exponential-race sample. Per-row parameters become
+tensors once per call, so every step is a handful of batched kernels; the host waits for the
+device only in the `.tolist()` calls at the very end. A request with a seed draws its noise from its own generator, so its tokens
+do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from compilelm.runtime.request import Request
+
+
+@dataclass
+class LogprobsLists:
+    """Logprobs of one position, on the host. Entry 0 is the sampled (or given) token."""
+
+    token_ids: list[int]  # [1 + num_logprobs]: sampled token, then the top tokens by rank
+    logprobs: list[float]
+    ranks: list[int]  # 1 = most likely
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per request
+    logprobs: list[LogprobsLists | None]  # None where the request asked for none
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        # logits: fp32 [num_reqs, vocab]
+        params = [r.sampling_params for r in requests]
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
+
+        logits = apply_min_tokens(logits, requests)
+        pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
+        if pen_rows:
+            pen = [params[i] for i in pen_rows]
+            penalized = apply_penalties(
+                logits[pen_rows],
+                [requests[i].prompt_token_ids for i in pen_rows],
+                [requests[i].output_token_ids for i in pen_rows],
+                _row_tensor([p.presence_penalty for p in pen], logits),
+                _row_tensor([p.frequency_penalty for p in pen], logits),
+                _row_tensor([p.repetition_penalty for p in pen], logits),
+            )
+            logits = logits.index_put((_index(pen_rows, logits),), penalized)
+
+        sampled = sample(logits, requests)  # int64 [num_reqs]
+
+        logprobs: list[LogprobsLists | None] = [None] * len(requests)
+        if lp_rows:
+            per_row = gather_logprobs(
+                raw_logprobs, sampled[lp_rows], [params[i].logprobs for i in lp_rows]
+            )
+            for i, lists in zip(lp_rows, per_row):
+                logprobs[i] = lists
+        return SamplerOutput(token_ids=sampled.tolist(), logprobs=logprobs)
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Greedy rows take the argmax; the others sample after temperature/top-k/top-p/min-p."""
+    # logits: fp32 [num_reqs, vocab] -> int64 [num_reqs]
+    params = [r.sampling_params for r in requests]
+    greedy = logits.argmax(dim=-1)
+    if all(p.is_greedy for p in params):
+        return greedy
+    vocab = logits.shape[-1]
+    temperature = _row_tensor([1.0 if p.is_greedy else p.temperature for p in params], logits)
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    logits = apply_top_k_top_p_min_p(
+        logits / temperature.unsqueeze(1),
+        _row_tensor(top_k, logits, torch.int64),
+        _row_tensor([p.top_p for p in params], logits),
+        _row_tensor([p.min_p for p in params], logits),
+    )
+    probs = logits.softmax(dim=-1)
+    generators = [None if p.is_greedy else r.generator for p, r in zip(params, requests)]
+    noise = exponential_noise(probs, generators)
+    random = (probs / noise).argmax(dim=-1)
+    is_greedy = _row_tensor([p.is_greedy for p in params], logits, torch.bool)
+    return torch.where(is_greedy, greedy, random)
+
+
+def exponential_noise(
+    probs: torch.Tensor, generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """Exp(1) noise; argmax(probs / noise) is a sample from probs (the exponential race).
+
+    Rows with a generator draw from it (on the generator's device), so a seeded request sees the
+    same noise whatever batch it is in; the other rows share one draw from the global RNG.
+    """
+    # probs: fp32 [num_reqs, vocab] -> noise: fp32 [num_reqs, vocab]
+    noise = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        noise.exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            row = torch.empty(probs.shape[-1], dtype=probs.dtype, device=g.device)
+            noise[i] = row.exponential_(generator=g).to(probs.device)
+    return noise
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Set the logits of dropped tokens to -inf; each filter keeps at least the top token.
+
+    top-k keeps the k largest, top-p the smallest top set whose probability (renormalized after
+    top-k) reaches p, min-p the tokens with prob >= min_p * max prob. Each filter becomes a
+    per-row logit threshold, and tokens tied with a threshold are kept, so the result does not
+    depend on how sort orders ties.
+    """
+    # logits: fp32 [n, vocab]; k: int64 [n] in [1, vocab] (vocab = off);
+    # p: fp32 [n] (1 = off); min_p: fp32 [n] (0 = off)
+    vocab = logits.shape[-1]
+    desc = logits.sort(dim=-1, descending=True).values  # [n, vocab]
+    kth = desc.gather(1, (k - 1).clamp(0, vocab - 1).unsqueeze(1))  # [n, 1]
+    desc = desc.masked_fill(desc < kth, float("-inf"))
+    cum = desc.softmax(dim=-1).cumsum(dim=-1)  # mass of the top j+1 tokens
+    num_below = (cum < p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp(max=vocab - 1)
+    pth = desc.gather(1, num_below)  # smallest logit of the kept top-p set
+    pth = pth.masked_fill(p.unsqueeze(1) >= 1.0, float("-inf"))  # p == 1 keeps all, exactly
+    mth = desc[:, :1] + min_p.unsqueeze(1).log()  # prob >= min_p * max prob; log(0) = -inf
+    threshold = torch.maximum(torch.maximum(kth, pth), mth)
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Forbid EOS and stop_token_ids while a request has fewer than min_tokens outputs."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, r in enumerate(requests):
+        p = r.sampling_params
+        if r.num_output_tokens >= p.min_tokens:
+            continue
+        stop_ids = set(p.stop_token_ids)
+        if r.eos_token_id is not None and not p.ignore_eos:
+            stop_ids.add(r.eos_token_id)
+        rows += [i] * len(stop_ids)
+        cols += sorted(stop_ids)
+    if not rows:
+        return logits
+    index = (_index(rows, logits), _index(cols, logits))
+    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
+    """vLLM's penalties: repetition over prompt + output, frequency/presence over the output."""
+    # logits: fp32 [n, vocab]; presence, frequency, repetition: fp32 [n]
+    n, vocab = logits.shape
+    output_counts = _token_counts(output_token_ids, n, vocab, logits.device)  # [n, vocab]
+    seen = (_token_counts(prompt_token_ids, n, vocab, logits.device) + output_counts) > 0
+    rep = repetition.unsqueeze(1)
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - frequency.unsqueeze(1) * output_counts
+    return logits - presence.unsqueeze(1) * (output_counts > 0)
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int]
+) -> list[LogprobsLists]:
+    """The logprob and rank of `token_ids`, plus each row's top `num_logprobs[i]` tokens.
+
+    Also serves prompt logprobs: pass one row per prompt position and the next prompt token.
+    Rank counts tokens at least as likely, so ties share the worse rank (as in vLLM).
+    """
+    # logprobs: fp32 [n, vocab] (log_softmax); token_ids: int64 [n]
+    token_logprobs = logprobs.gather(1, token_ids.unsqueeze(1))  # [n, 1]
+    ranks = (logprobs >= token_logprobs).sum(dim=-1)  # [n]
+    top = logprobs.topk(max(num_logprobs, default=0), dim=-1)  # [n, max_k]
+    ids = torch.cat([token_ids.unsqueeze(1), top.indices], dim=1).tolist()
+    values = torch.cat([token_logprobs, top.values], dim=1).tolist()
+    ranks = ranks.tolist()
+    return [
+        LogprobsLists(ids[i][: k + 1], values[i][: k + 1], [ranks[i], *range(1, k + 1)])
+        for i, k in enumerate(num_logprobs)
+    ]
+
+
+def _token_counts(token_ids: list[list[int]], n: int, vocab: int, device) -> torch.Tensor:
+    """Per-row token counts: fp32 [n, vocab], built with one scatter_add."""
+    rows = [i for i, ids in enumerate(token_ids) for _ in ids]
+    cols = [t for ids in token_ids for t in ids]
+    counts = torch.zeros(n, vocab, dtype=torch.float32, device=device)
+    if cols:
+        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        counts.index_put_(index, torch.ones(len(cols), device=device), accumulate=True)
+    return counts
+
+
+def _row_tensor(values: list, like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=like.device)
+
+
+def _index(values: list[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=like.device)

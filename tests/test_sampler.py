@@ -1,0 +1,244 @@
+import math
+
+import pytest
+import torch
+
+from compilelm.runtime.request import Request
+from compilelm.runtime.sampler import (
+    Sampler,
+    apply_min_tokens,
+    apply_penalties,
+    apply_top_k_top_p_min_p,
+    gather_logprobs,
+    sample,
+)
+from compilelm.sampling_params import SamplingParams
+
+
+def make_request(prompt=(1, 2, 3), outputs=(), eos=None, **params):
+    req = Request("r", list(prompt), SamplingParams(**params), eos_token_id=eos)
+    for t in outputs:
+        req.append_output_token(t)
+    return req
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(6, 100, generator=torch.Generator().manual_seed(0))
+    reqs = [make_request(temperature=0.0, top_k=3, top_p=0.5) for _ in range(6)]
+    out = Sampler()(logits, reqs)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.logprobs == [None] * 6
+
+
+def test_sampler_leaves_logits_untouched():
+    logits = torch.randn(2, 50)
+    before = logits.clone()
+    reqs = [
+        make_request(outputs=[4, 4], eos=1, min_tokens=5, repetition_penalty=1.5, temperature=0.0),
+        make_request(temperature=0.7, top_k=5, logprobs=2),
+    ]
+    Sampler()(logits, reqs)
+    assert torch.equal(logits, before)
+
+
+def _run_steps(step_logits, make_batch, row):
+    """Sample one row over several steps; other rows are whatever make_batch adds."""
+    reqs = make_batch()
+    tokens = []
+    for logits in step_logits:
+        batch = torch.randn(len(reqs), logits.shape[-1])
+        batch[row] = logits
+        tokens.append(Sampler()(batch, reqs).token_ids[row])
+    return tokens
+
+
+def test_seeded_sampling_is_independent_of_batch():
+    steps = [torch.randn(500, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    kw = dict(temperature=1.5, top_p=0.95, seed=1234)
+
+    alone = _run_steps(steps, lambda: [make_request(**kw)], row=0)
+    again = _run_steps(steps, lambda: [make_request(**kw)], row=0)
+    torch.manual_seed(99)  # the unseeded neighbours draw from the global RNG
+    crowd = _run_steps(
+        steps,
+        lambda: [
+            make_request(temperature=1.0),
+            make_request(temperature=0.8, seed=7),
+            make_request(**kw),
+            make_request(temperature=0.0),
+            make_request(temperature=2.0, top_k=10),
+        ],
+        row=2,
+    )
+    assert alone == again == crowd
+    other_seed = _run_steps(steps, lambda: [make_request(**{**kw, "seed": 4321})], row=0)
+    assert other_seed != alone
+
+
+def _reference_keep(row, k, p, min_p):
+    """Kept token ids for one row, computed by hand in float64 Python."""
+    values = [float(v) for v in row]
+    order = sorted(range(len(values)), key=lambda i: -values[i])
+    kth = values[order[k - 1]]
+    kept = [i for i in order if values[i] >= kth]  # ties with the k-th are kept
+    # top-p over the top-k set, renormalized
+    z = sum(math.exp(values[i] - values[order[0]]) for i in kept)
+    cum, boundary = 0.0, values[kept[-1]]
+    for i in kept:
+        cum += math.exp(values[i] - values[order[0]]) / z
+        if cum >= p:
+            boundary = values[i]
+            break
+    if p < 1.0:
+        kept = [i for i in kept if values[i] >= boundary]  # ties with the boundary are kept
+    # min-p: prob >= min_p * max prob
+    return {i for i in kept if math.exp(values[i] - values[order[0]]) >= min_p}
+
+
+def test_top_k_top_p_min_p_against_reference():
+    gen = torch.Generator().manual_seed(0)
+    n, vocab = 64, 40
+    logits = torch.randn(n, vocab, generator=gen) * 2
+    logits[::4] = (logits[::4] * 2).round() / 2  # many ties
+    k = torch.randint(1, vocab + 1, (n,), generator=gen)
+    p = torch.rand(n, generator=gen) * 0.99 + 0.01
+    min_p = torch.rand(n, generator=gen) * 0.3
+    # edge rows: everything off, single filters at their extremes
+    k[0], p[0], min_p[0] = vocab, 1.0, 0.0
+    k[1], p[1], min_p[1] = 1, 1.0, 0.0
+    k[2], p[2], min_p[2] = vocab, 1e-6, 0.0
+    k[3], p[3], min_p[3] = vocab, 1.0, 1.0
+    k[5], p[5], min_p[5] = vocab, 1.0, 0.0
+    logits[5] = 0.0  # all tied: everything stays
+    masked = apply_top_k_top_p_min_p(logits, k, p, min_p)
+
+    for r in range(n):
+        want = _reference_keep(logits[r].tolist(), int(k[r]), float(p[r]), float(min_p[r]))
+        got = set(torch.isfinite(masked[r]).nonzero().flatten().tolist())
+        assert got == want, f"row {r}"
+        assert torch.equal(masked[r][list(got)], logits[r][list(got)])
+    assert torch.isfinite(masked[0]).all() and torch.isfinite(masked[5]).all()
+
+
+def test_top_p_stops_at_exact_mass():
+    # probs 1/2, 1/4, 1/8, 1/8 are exact in fp32: a set whose mass equals top_p is enough
+    logits = torch.tensor([[2.0, 1.0, 0.0, 0.0]]) * math.log(2)
+    kept = {}
+    for p in [0.5, 0.75, 0.76, 0.875]:
+        k, min_p = torch.tensor([4]), torch.zeros(1)
+        masked = apply_top_k_top_p_min_p(logits, k, torch.tensor([p]), min_p)
+        kept[p] = torch.isfinite(masked[0]).nonzero().flatten().tolist()
+    assert kept == {0.5: [0], 0.75: [0, 1], 0.76: [0, 1, 2, 3], 0.875: [0, 1, 2, 3]}
+
+
+def _frequencies(tokens, vocab):
+    return torch.bincount(torch.tensor(tokens), minlength=vocab).double() / len(tokens)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_temperature_frequencies_match_softmax(temperature):
+    torch.manual_seed(0)
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -3.0])
+    num = 20000
+    req = make_request(temperature=temperature)
+    tokens = sample(logits.expand(num, -1).clone(), [req] * num).tolist()
+    want = torch.softmax(logits.double() / temperature, -1)
+    assert torch.allclose(_frequencies(tokens, 5), want, atol=0.015)
+
+
+def test_seeded_rows_follow_the_distribution_with_top_k():
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -3.0])
+    num = 5000
+    reqs = [make_request(temperature=0.7, top_k=3, seed=s) for s in range(num)]
+    tokens = sample(logits.expand(num, -1).clone(), reqs).tolist()
+    want = torch.softmax(logits.double() / 0.7, -1)
+    want[3:] = 0.0
+    want /= want.sum()
+    assert torch.allclose(_frequencies(tokens, 5), want, atol=0.03)
+
+
+def test_penalties_against_reference():
+    gen = torch.Generator().manual_seed(1)
+    vocab = 30
+    logits = torch.randn(3, vocab, generator=gen)
+    prompts = [[1, 2, 2, 5], [], [7]]
+    outputs = [[2, 3, 3, 3], [9, 9], []]
+    presence, frequency, repetition = [0.5, -1.0, 2.0], [0.3, 0.7, -2.0], [1.3, 0.8, 2.0]
+    got = apply_penalties(
+        logits, prompts, outputs,
+        torch.tensor(presence), torch.tensor(frequency), torch.tensor(repetition),
+    )  # fmt: skip
+    want = logits.clone()
+    for r in range(3):
+        for t in range(vocab):
+            x = want[r, t].item()
+            if t in prompts[r] or t in outputs[r]:
+                x = x / repetition[r] if x > 0 else x * repetition[r]
+            count = outputs[r].count(t)
+            x -= frequency[r] * count + presence[r] * (count > 0)
+            want[r, t] = x
+    torch.testing.assert_close(got, want)
+
+
+def test_sampler_applies_penalties_only_where_asked():
+    logits = torch.zeros(2, 10)
+    logits[:, 4] = 1.0
+    logits[:, 6] = 0.9
+    reqs = [
+        make_request(outputs=[4], temperature=0.0, frequency_penalty=0.5),
+        make_request(outputs=[4], temperature=0.0),
+    ]
+    assert Sampler()(logits, reqs).token_ids == [6, 4]
+
+
+def test_min_tokens_masks_eos_and_stop_ids():
+    logits = torch.randn(4, 12)
+    reqs = [
+        make_request(outputs=[3], eos=2, min_tokens=3, stop_token_ids=[5, 7]),
+        make_request(outputs=[3, 3, 3], eos=2, min_tokens=3, stop_token_ids=[5]),  # reached
+        make_request(outputs=[], eos=2, min_tokens=1, ignore_eos=True, stop_token_ids=[5]),
+        make_request(outputs=[], eos=None, min_tokens=2),
+    ]
+    got = apply_min_tokens(logits, reqs)
+    want = logits.clone()
+    want[0, [2, 5, 7]] = float("-inf")
+    want[2, 5] = float("-inf")
+    assert torch.equal(got, want)
+
+    logits = torch.zeros(1, 12)
+    logits[0, 2] = 5.0  # eos is by far the most likely
+    before = make_request(outputs=[3], eos=2, min_tokens=2, temperature=0.0)
+    after = make_request(outputs=[3, 3], eos=2, min_tokens=2, temperature=0.0)
+    assert Sampler()(logits, [before]).token_ids != [2]
+    assert Sampler()(logits, [after]).token_ids == [2]
+
+
+def test_logprobs_come_from_raw_logits_with_ranks():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 50, generator=gen)
+    reqs = [
+        make_request(outputs=[7, 7], temperature=0.0, repetition_penalty=2.0, logprobs=3),
+        make_request(temperature=0.9, top_k=5, logprobs=0, seed=11),
+        make_request(temperature=0.0),
+    ]
+    out = Sampler()(logits, reqs)
+    assert out.logprobs[2] is None
+    raw = torch.log_softmax(logits.double(), -1)
+    for r, num in [(0, 3), (1, 0)]:
+        lists = out.logprobs[r]
+        sampled = out.token_ids[r]
+        assert lists.token_ids[0] == sampled
+        assert len(lists.token_ids) == len(lists.logprobs) == len(lists.ranks) == num + 1
+        by_hand = sorted(range(50), key=lambda t: -raw[r, t].item())
+        assert lists.ranks[0] == by_hand.index(sampled) + 1
+        assert lists.token_ids[1:] == by_hand[:num]
+        assert lists.ranks[1:] == list(range(1, num + 1))
+        want = [raw[r, t].item() for t in lists.token_ids]
+        assert lists.logprobs == pytest.approx(want, abs=1e-5)
+
+
+def test_logprob_rank_with_ties_is_the_worse_rank():
+    logprobs = torch.log_softmax(torch.tensor([[2.0, 1.0, 1.0, 0.0]]), -1)
+    (lists,) = gather_logprobs(logprobs, torch.tensor([1]), [2])
+    assert lists.ranks[0] == 3  # tokens 0, 1 and 2 are at least as likely
+    assert lists.token_ids[1] == 0 and lists.ranks[1:] == [1, 2]
