@@ -52,3 +52,46 @@ class SchedulerConfig:
 
 
 # --- model / engine config below ---
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
+           "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine is built from. `model=None` is the default model."""
+
+    model: str | None = None
+    dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None  # None = the model's context length
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig | None = None  # None = defaults with max_model_len resolved
+    compilation: object | None = None  # compilelm.graphs.CompileConfig; None = eager
+    model_overrides: tuple[tuple[str, object], ...] = ()  # e.g. (("num_hidden_layers", 2),) for dummy
+
+    def __post_init__(self):
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(sorted(set(_DTYPES)))}; got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def torch_device(self):
+        import torch
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self):
+        import torch
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        return getattr(torch, _DTYPES[self.dtype])
+
+    def cache_key_factors(self) -> dict:
+        """What in this config can change compiled code (the compile cache key's engine part)."""
+        return {"dtype": str(self.torch_dtype()), "device": self.torch_device().type,
+                "block_size": self.cache.block_size}

@@ -8,6 +8,7 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from compilelm.config import CacheConfig, EngineConfig, SchedulerConfig
+from compilelm.models.tokenizer import apply_chat_template
 from compilelm.outputs import RequestOutput
 from compilelm.runtime.engine import LLMEngine
 from compilelm.sampling_params import SamplingParams
@@ -83,6 +84,4 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template")
-        return list(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
+        return apply_chat_template(self.tokenizer, messages)

@@ -6,6 +6,7 @@ weights match the Hugging Face (rotate-half) layout that our model uses.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Iterator
 
@@ -28,7 +29,9 @@ _LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
+@functools.lru_cache(maxsize=2)
 def open_gguf(path: str):
+    """Parsing a GGUF header is slow (~seconds for a 49k-token vocab): do it once per file."""
     from gguf import GGUFReader
     return GGUFReader(path)
 

@@ -1,11 +1,46 @@
 """Tokenizer loading: from a Hugging Face directory, or built from GGUF metadata (vocab, merges,
-special tokens and chat template) through transformers' GGUF converter."""
+special tokens and chat template) through transformers' GGUF converter.
+
+Converting a GGUF vocabulary takes seconds, so the converted tokenizer is kept under
+`~/.cache/compilelm/tokenizers/` (or `$XDG_CACHE_HOME/compilelm/...`), keyed by the file's name,
+size and modification time, and later starts load it directly.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
+import tempfile
 
 from compilelm.models.loader import ModelSource, default_model_path
+
+
+def _cache_root() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "compilelm", "tokenizers")
+
+
+def _gguf_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    st = os.stat(path)
+    key = hashlib.sha256(f"{os.path.basename(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = os.path.join(_cache_root(), key)
+    if os.path.isfile(os.path.join(cached, "tokenizer.json")):
+        return AutoTokenizer.from_pretrained(cached)
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    try:  # write to a temp dir, then rename: concurrent starts never see a half-written cache
+        os.makedirs(_cache_root(), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=_cache_root())
+        tok.save_pretrained(tmp)
+        try:
+            os.rename(tmp, cached)
+        except OSError:  # another process won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:
+        pass  # a read-only home only costs the conversion next time
+    return tok
 
 
 def load_tokenizer(source: ModelSource):
@@ -16,5 +51,15 @@ def load_tokenizer(source: ModelSource):
     if source.kind == "hf":
         return AutoTokenizer.from_pretrained(source.path)
     # dummy models use the default model's tokenizer: ids beyond its vocab decode to nothing
-    path = source.path if source.kind == "gguf" else default_model_path()
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    return _gguf_tokenizer(source.path if source.kind == "gguf" else default_model_path())
+
+
+def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                        **template_kwargs) -> list[int]:
+    """Render a conversation with the model's chat template and tokenize it (the template writes
+    the special tokens itself, so none are added again)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template")
+    text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt, **template_kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)
