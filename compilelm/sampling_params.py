@@ -41,11 +41,17 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1.0: off
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Each is called as fn(output_token_ids, logits_row) -> logits_row before sampling
+    # (e.g. the server's JSON mode masks tokens that cannot continue valid JSON).
+    logits_processors: list | None = None
 
     def __post_init__(self) -> None:
         self.stop = _normalize_stop(self.stop)
         self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
 
+        self.logits_processors = list(self.logits_processors or [])
+        if not all(callable(f) for f in self.logits_processors):
+            raise ValueError("logits_processors must be a list of callables")
         _check_int("n", self.n, lo=1)
         _check_number("temperature", self.temperature, lo=0)
         _check_number("top_p", self.top_p)

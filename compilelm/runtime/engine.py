@@ -38,6 +38,7 @@ class _Child:
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float = 0.0
     num_detokenized: int = 0
+    prompt_logprobs: list | None = None  # [num_prompt_tokens], entry 0 stays None
 
 
 @dataclass
@@ -87,6 +88,16 @@ class LLMEngine:
         self.num_generation_tokens_total = 0
 
     def _num_kv_blocks(self) -> int:
+        blocks = self._kv_blocks_from_budget()
+        per_request = -(-self.config.max_model_len // self.config.cache.block_size)
+        if blocks - 1 < per_request:  # a full-length request could never finish
+            raise ValueError(
+                f"the KV cache holds {(blocks - 1) * self.config.cache.block_size} tokens, fewer than "
+                f"max_model_len ({self.config.max_model_len}): lower max_model_len or give the cache more "
+                "memory (kv_cache_memory_gb / gpu_memory_utilization / num_kv_blocks)")
+        return blocks
+
+    def _kv_blocks_from_budget(self) -> int:
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
@@ -98,11 +109,7 @@ class LLMEngine:
             budget = cache.kv_cache_memory_gb * 2**30
         # never more than every sequence at full length needs (+1 for the null block)
         needed = self.config.scheduler.max_num_seqs * -(-self.config.max_model_len // cache.block_size) + 1
-        blocks = min(int(budget // per_block), needed)
-        if blocks < 2:
-            raise ValueError("not enough memory for the KV cache: raise kv_cache_memory_gb / "
-                             "gpu_memory_utilization or lower max_model_len")
-        return blocks
+        return max(min(int(budget // per_block), needed), 0)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -133,6 +140,8 @@ class LLMEngine:
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
                                            params.spaces_between_special_tokens)
             child = _Child(req, i, detok, [] if params.logprobs is not None else None)
+            if params.prompt_logprobs is not None:
+                child.prompt_logprobs = [None] * len(token_ids)
             parent.children.append(child)
             self._children[child_id] = (parent, child)
         self._parents[request_id] = parent
@@ -171,9 +180,15 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if not sched_out.scheduled:
             return []
-        sampled_reqs, sampler_out = self.model_runner.execute_model(sched_out)
+        step_out = self.model_runner.execute_model(sched_out)
+        sampled_reqs, sampler_out = step_out.sampled, step_out.sampler_output
         tokens = {} if sampler_out is None else {
             r.request_id: t for r, t in zip(sampled_reqs, sampler_out.token_ids)}
+        for rid, entries in step_out.prompt_logprobs.items():
+            if rid in self._children:
+                child = self._children[rid][1]
+                for pos, lists in entries:
+                    child.prompt_logprobs[pos] = detokenize_logprobs(self.tokenizer, lists)
         for sr in sched_out.scheduled:
             if sr.num_computed_tokens == 0 and sr.request.num_preemptions == 0:
                 self.num_prompt_tokens_total += sr.request.num_prompt_tokens
@@ -231,8 +246,9 @@ class LLMEngine:
             self._parents.pop(parent.request_id, None)
             for c in parent.children:
                 self._children.pop(c.request.request_id, None)
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, None, outs,
-                             finished, parent.children[0].request.num_cached_tokens)
+        first = parent.children[0]
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
+                             first.prompt_logprobs, outs, finished, first.request.num_cached_tokens)
 
     def stats(self) -> dict:
         pool = self.kv_cache_manager

@@ -41,8 +41,9 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of the request, in whole blocks: (blocks, num_tokens).
-        Has no side effect on the pool; `allocate_slots` takes the references."""
-        if not self.enable_caching:
+        Has no side effect on the pool; `allocate_slots` takes the references.
+        A request that wants prompt logprobs must compute every prompt token: no hit for it."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         self._update_block_hashes(request)
         # The last token must run through the model to produce logits, so a full hit is cut

@@ -9,16 +9,24 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
 from compilelm.forward_context import AttentionMetadata, ForwardContext, set_forward_context
-from compilelm.runtime.sampler import Sampler, SamplerOutput
+from compilelm.runtime.sampler import Sampler, SamplerOutput, gather_logprobs
 from compilelm.runtime.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    sampled: list  # the requests that got a token, in sampler-row order
+    sampler_output: SamplerOutput | None
+    prompt_logprobs: dict  # request id -> [(prompt position, LogprobsLists)]
 
 
 class ModelRunner:
@@ -87,13 +95,33 @@ class ModelRunner:
                 torch.tensor(sample_idx, dtype=torch.int64, device=dev))
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> tuple[list, SamplerOutput | None]:
-        """Runs one forward; returns (the requests that were sampled, their SamplerOutput)."""
+    def execute_model(self, sched: SchedulerOutput) -> StepOutput:
+        """Runs one forward for the whole plan, then samples the requests that need a token."""
         input_ids, positions, meta, sample_idx = self.prepare_inputs(sched)
         with set_forward_context(ForwardContext(meta, self.kv_caches)):
             hidden = self.forward_fn(input_ids, positions)
-        sampled = [sr.request for sr in sched.scheduled if sr.do_sample]
-        if not sampled:
-            return [], None
-        logits = self.model.compute_logits(hidden[sample_idx])
-        return sampled, self.sampler(logits, sampled)
+        out = StepOutput([], None, self._prompt_logprobs(sched, hidden))
+        out.sampled = [sr.request for sr in sched.scheduled if sr.do_sample]
+        if out.sampled:
+            logits = self.model.compute_logits(hidden[sample_idx])
+            for i, req in enumerate(out.sampled):
+                for fn in req.sampling_params.logits_processors:
+                    logits[i] = fn(req.output_token_ids, logits[i])
+            out.sampler_output = self.sampler(logits, out.sampled)
+        return out
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor) -> dict:
+        """request id -> [(prompt position, LogprobsLists)] for the prompt tokens this step predicts."""
+        result, offset = {}, 0
+        for sr in sched.scheduled:
+            req, start, n = sr.request, sr.num_computed_tokens, sr.num_new_tokens
+            k = req.sampling_params.prompt_logprobs
+            # position p predicts prompt token p + 1
+            end = min(start + n, req.num_prompt_tokens - 1)
+            if k is not None and start < end:
+                logits = self.model.compute_logits(hidden[offset:offset + end - start])
+                targets = torch.tensor(req.prompt_token_ids[start + 1:end + 1], device=logits.device)
+                lists = gather_logprobs(torch.log_softmax(logits, dim=-1), targets, [k] * (end - start))
+                result[req.request_id] = list(zip(range(start + 1, end + 1), lists))
+            offset += n
+        return result

@@ -37,7 +37,7 @@ def test_chunked_prefill_and_prefix_cache_match_hf(hf_reference):
 
 
 def test_preemption_matches_hf(hf_reference):
-    # 8 prompts of up to ~60 tokens + 24 new ones cannot all fit in 24 blocks of 16 tokens
-    llm = LLM(enforce_eager=True, num_kv_blocks=24, max_num_seqs=8)
+    # 8 prompts of up to ~50 tokens + 24 new ones need ~27 blocks of 16 tokens; 11 are usable
+    llm = LLM(enforce_eager=True, num_kv_blocks=12, max_model_len=160, max_num_seqs=8)
     _run(llm, hf_reference)
     assert llm.engine.scheduler.num_preemptions > 0, "the tiny KV cache should force preemption"
