@@ -1,0 +1,95 @@
+"""OpenAI-shaped errors: every failure leaves the server as `{"error": {message, type, param, code}}`.
+
+Clients branch on the status (openai-python retries 429 and 5xx, honouring Retry-After) and on
+`code` (`context_length_exceeded`), so bad input must be a 4xx with a precise body — never a
+422 from FastAPI's defaults, never a 500.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("compilelm")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable"}
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def unavailable(message: str, retry_after: int = 1, status: int = 503,
+                code: str | None = None) -> OpenAIError:
+    return OpenAIError(status, message, code=code, headers={"Retry-After": str(retry_after)})
+
+
+def internal_error(message: str) -> OpenAIError:
+    return OpenAIError(500, message, code="internal_error")
+
+
+def sse_error_event(err: OpenAIError) -> str:
+    """An error after the 200 header went out: one `data: {"error": ...}` event."""
+    return f"data: {json.dumps(err.body())}\n\n"
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    errors = exc.errors()
+    if not errors:
+        return bad_request("invalid request")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return bad_request(f"the request body is not valid JSON: {first.get('msg')}",
+                           code="invalid_json")
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value")
+    where = f"{param}: " if param else "request body: "
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return bad_request(f"{where}{msg}{more}", param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def _openai(_: Request, exc: OpenAIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        return OpenAIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        logger.exception("unhandled error serving %s %s", request.method, request.url.path)
+        return internal_error(f"internal server error: {type(exc).__name__}").response()

@@ -1,0 +1,98 @@
+"""Prometheus metrics under vLLM's names with a `compilelm:` prefix, on a registry per server.
+
+Gauges and engine-wide counters (running/waiting, KV-cache usage, prefix cache, preemptions,
+token totals) are read from the engine's stats snapshot at scrape time, so they can never drift
+from the engine. Per-request histograms (TTFT, inter-token latency, end-to-end, queue time) are
+observed by the engine thread as tokens arrive; HTTP-side rejections are counted by the server.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class _EngineStatsCollector:
+    """Emits the engine's gauges and cumulative counters from `stats_fn()` at scrape time."""
+
+    def __init__(self, stats_fn, model_name: str):
+        self.stats_fn = stats_fn
+        self.labels = {"model_name": model_name}
+
+    def collect(self):
+        stats = self.stats_fn() or {}
+        for name, key, doc in (
+            ("num_requests_running", "num_running", "Requests in the running batch."),
+            ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
+            ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks in use (0-1)."),
+        ):
+            g = GaugeMetricFamily(f"compilelm:{name}", doc, labels=list(self.labels))
+            g.add_metric(list(self.labels.values()), float(stats.get(key, 0)))
+            yield g
+        for name, key, doc in (
+            ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+            ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+            ("num_preemptions", "num_preemptions", "Requests preempted (KV cache full)."),
+            ("prompt_tokens", "prompt_tokens_total", "Prompt tokens processed."),
+            ("generation_tokens", "generation_tokens_total", "Tokens generated."),
+        ):
+            c = CounterMetricFamily(f"compilelm:{name}", doc, labels=list(self.labels))
+            c.add_metric(list(self.labels.values()), float(stats.get(key, 0)))
+            yield c
+
+
+class ServerMetrics:
+    """All metrics of one server. `observe_*` are called from the engine thread."""
+
+    def __init__(self, model_name: str, stats_fn):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineStatsCollector(stats_fn, model_name))
+        labels = ["model_name"]
+        self.model_name = model_name
+
+        def hist(name, doc, buckets):
+            return Histogram(f"compilelm:{name}", doc, labels, buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between output tokens.", _LATENCY_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Request latency, arrival to finish.",
+                        _LATENCY_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds", "Time waiting before first scheduled.",
+                               _LATENCY_BUCKETS)
+        self.prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS)
+        self.generation_tokens = hist("request_generation_tokens", "Generated tokens per request.",
+                                      _TOKEN_BUCKETS)
+        self._success = Counter("compilelm:request_success", "Finished requests by finish reason.",
+                                labels + ["finished_reason"], registry=self.registry)
+        self._rejected = Counter("compilelm:request_rejections", "Requests refused before the engine.",
+                                 labels + ["reason"], registry=self.registry)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def observe_queue_time(self, seconds: float) -> None:
+        self.queue_time.observe(seconds)
+
+    def observe_finished(self, reason: str, e2e_seconds: float, num_prompt_tokens: int,
+                         num_generation_tokens: int) -> None:
+        self._success.labels(self.model_name, reason).inc()
+        self.e2e.observe(e2e_seconds)
+        self.prompt_tokens.observe(num_prompt_tokens)
+        self.generation_tokens.observe(num_generation_tokens)
+
+    def count_rejection(self, reason: str) -> None:
+        """reason: queue_full | draining | loading | engine_dead."""
+        self._rejected.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,336 @@
+"""AsyncLLMEngine: one thread runs the LLMEngine loop; asyncio callers stream its outputs.
+
+A model forward blocks for milliseconds to seconds, so it must never run on the event loop. The
+engine thread builds the engine (weights, KV cache, compilation), then loops: drain the command
+queue (add / abort), `step()`, and hand every RequestOutput to its caller's asyncio queue with
+`loop.call_soon_threadsafe`. Requests from all callers share every step: continuous batching.
+
+Failure model: a bad request (ValueError from `add_request`) fails only that request. An
+exception inside `step()` kills the engine: it is logged, every in-flight request gets
+`EngineDeadError`, and later calls fail at once (the server turns /health to 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from compilelm.outputs import RequestOutput
+from compilelm.sampling_params import SamplingParams
+
+logger = logging.getLogger("compilelm")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop raised; nothing more can be served by this process."""
+
+
+class EngineNotReadyError(RuntimeError):
+    """The engine is still loading (or failed to load)."""
+
+
+class QueueFullError(RuntimeError):
+    """Admitting this request would exceed max_num_seqs + max_queue_len sequences."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The server aborted the request (shutdown timeout ran out)."""
+
+
+@dataclass
+class _Timing:
+    """Per-request timestamps (time.monotonic), kept by the engine thread for metrics."""
+
+    arrival: float
+    num_prompt_tokens: int
+    scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    num_tokens: list[int] = field(default_factory=list)  # per choice, tokens seen so far
+
+
+class AsyncLLMEngine:
+    """`engine_factory` builds the LLMEngine inside the engine thread (so compilation and
+    execution share a thread). `metrics` (optional) receives `observe_*` calls from that thread.
+    """
+
+    def __init__(self, engine_factory: Callable[[], object], max_queue_len: int | None = None,
+                 metrics=None):
+        self._factory = engine_factory
+        self.max_queue_len = max_queue_len
+        self.metrics = metrics
+        self.engine = None  # the LLMEngine, once loaded
+        self.load_error: BaseException | None = None
+        self.dead_error: EngineDeadError | None = None
+        self.stats: dict = {}  # snapshot of engine.stats(), refreshed by the engine thread
+        self._ready = threading.Event()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _streams and dead_error
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._timings: dict[str, _Timing] = {}  # engine thread only
+        self._num_seqs_in_flight = 0  # event-loop side: sequences admitted and not yet done
+        self._thread = threading.Thread(target=self._run, name="compilelm-engine", daemon=True)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout)
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready.is_set() and self.engine is not None
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None or self.load_error is not None
+
+    @property
+    def num_seqs_in_flight(self) -> int:
+        return self._num_seqs_in_flight
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._commands.put(("stop",))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- the asyncio side ----------------------------------------------------------------------
+
+    def check_admission(self, num_seqs: int) -> None:
+        """Raise if the engine cannot take `num_seqs` more sequences now."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        if not self.is_ready:
+            raise EngineNotReadyError("the model is still loading")
+        if self.max_queue_len is None or self._num_seqs_in_flight == 0:
+            return  # an idle engine always admits (a request with a large n must fit somewhere)
+        capacity = self.engine.config.scheduler.max_num_seqs + self.max_queue_len
+        if self._num_seqs_in_flight + num_seqs > capacity:
+            raise QueueFullError(f"the server is at capacity ({self._num_seqs_in_flight} sequences "
+                                 f"in flight, max_num_seqs + max_queue_len = {capacity})")
+
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> RequestStream:
+        """Admit a request now (raising QueueFullError, EngineDeadError, ...) and return the
+        stream of its cumulative RequestOutputs. Must be called on the event loop."""
+        self.check_admission(params.n)
+        stream = RequestStream(self, request_id, params, asyncio.get_running_loop())
+        with self._lock:
+            if self.dead_error is not None:
+                raise self.dead_error
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._streams[request_id] = (stream.loop, stream.queue)
+        self._num_seqs_in_flight += params.n
+        stream._closed = False
+        self._commands.put(("add", request_id, prompt_token_ids, params, time.monotonic()))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+        self._commands.put(("abort", request_id, None))
+
+    def abort_all(self) -> None:
+        """Fail every in-flight request with RequestAbortedError (shutdown deadline)."""
+        self._commands.put(("abort_all",))
+
+    # -- the engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.engine = self._factory()
+        except BaseException as e:  # noqa: BLE001 - reported to the server, which exits
+            logger.exception("engine failed to load")
+            self.load_error = e
+            self._ready.set()
+            return
+        self._publish_stats()
+        self._ready.set()
+        engine = self.engine
+        while True:
+            if not self._drain_commands(block=not engine.has_unfinished_requests()):
+                return
+            if not engine.has_unfinished_requests():
+                self._publish_stats()
+                continue
+            try:
+                outputs = engine.step()
+            except BaseException as e:  # noqa: BLE001 - any failure here is fatal
+                self._die(e)
+                return
+            self._deliver(outputs)
+            self._publish_stats()
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued commands; False means stop. Blocks for the first one if `block`."""
+        while True:
+            try:
+                cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            block = False
+            kind = cmd[0]
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._add(*cmd[1:])
+            elif kind == "abort":
+                self.engine.abort_request(cmd[1])
+                self._finish_timing(cmd[1], "abort")
+            elif kind == "abort_all":
+                with self._lock:
+                    streams, self._streams = self._streams, {}
+                self.engine.abort_request(list(streams))
+                for rid, stream in streams.items():
+                    self._finish_timing(rid, "abort")
+                    _put(stream, RequestAbortedError("the server is shutting down and aborted "
+                                                     "this request"))
+
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+             arrival: float) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is None:
+            return  # aborted before it reached the engine
+        try:
+            self.engine.add_request(request_id, prompt_token_ids, params, arrival_time=arrival)
+        except ValueError as e:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            _put(stream, e)
+            return
+        self._timings[request_id] = _Timing(arrival, len(prompt_token_ids), num_tokens=[0] * params.n)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        self._mark_scheduled(now)
+        for out in outputs:
+            self._observe_tokens(out, now)
+            with self._lock:
+                stream = self._streams.get(out.request_id)
+                if out.finished:
+                    self._streams.pop(out.request_id, None)
+            if out.finished:
+                reasons = [c.finish_reason for c in out.outputs]
+                self._finish_timing(out.request_id, reasons[0] if len(set(reasons)) == 1 else None,
+                                    out)
+            if stream is not None:
+                _put(stream, out)
+
+    def _die(self, error: BaseException) -> None:
+        logger.exception("engine step failed; the engine is dead and fails all requests")
+        dead = EngineDeadError(f"the engine failed: {type(error).__name__}: {error}")
+        with self._lock:
+            self.dead_error = dead
+            streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            _put(stream, dead)
+        if self.metrics is not None:
+            for rid in list(self._timings):
+                self._finish_timing(rid, "error")
+
+    def _publish_stats(self) -> None:
+        self.stats = self.engine.stats()
+
+    # -- metrics (engine thread) ---------------------------------------------------------------
+
+    def _mark_scheduled(self, now: float) -> None:
+        if self.metrics is None:
+            return
+        requests = self.engine.scheduler.requests
+        for rid, t in self._timings.items():
+            if t.scheduled is None:
+                req = requests.get(rid) or requests.get(f"{rid}#0")
+                if req is None or req.num_computed_tokens > 0:
+                    t.scheduled = now
+                    self.metrics.observe_queue_time(now - t.arrival)
+
+    def _observe_tokens(self, out: RequestOutput, now: float) -> None:
+        t = self._timings.get(out.request_id)
+        if t is None or self.metrics is None:
+            return
+        new = 0
+        for c in out.outputs:
+            if c.index < len(t.num_tokens):
+                new += len(c.token_ids) - t.num_tokens[c.index]
+                t.num_tokens[c.index] = len(c.token_ids)
+        if new <= 0:
+            return
+        if t.first_token is None:
+            t.first_token = now
+            self.metrics.observe_ttft(now - t.arrival)
+        else:
+            self.metrics.observe_itl(now - t.last_token)
+        t.last_token = now
+
+    def _finish_timing(self, request_id: str, reason: str | None, out: RequestOutput | None = None):
+        t = self._timings.pop(request_id, None)
+        if t is None or self.metrics is None:
+            return
+        self.metrics.observe_finished(reason or "mixed", time.monotonic() - t.arrival,
+                                      t.num_prompt_tokens, sum(t.num_tokens))
+
+
+class RequestStream:
+    """The outputs of one request: `async for out in stream`, the last one `finished`.
+
+    Closing it before the end (client gone, task cancelled, or simply dropped) aborts the
+    request in the engine, which frees its KV blocks.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, params: SamplingParams,
+                 loop: asyncio.AbstractEventLoop):
+        self.engine = engine
+        self.request_id = request_id
+        self.params = params
+        self.num_seqs = params.n
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False  # the engine side is done with it (finished, failed or aborted)
+        self._closed = True  # until the engine counts it as in flight
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        while not isinstance(item, BaseException) and not self.queue.empty():
+            item = self.queue.get_nowait()  # outputs are cumulative: only the newest matters
+        if isinstance(item, BaseException):
+            self.finished = True
+            self.close()
+            raise item
+        if item.finished:
+            self.finished = True
+            self.close()
+        return item
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.engine._num_seqs_in_flight -= self.num_seqs
+        if not self.finished:
+            self.engine.abort(self.request_id)
+
+    def __del__(self):
+        self.close()
+
+
+def _put(stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue], item) -> None:
+    """Hand `item` to a caller's queue from the engine thread (a closed loop is ignored)."""
+    loop, q = stream
+    try:
+        loop.call_soon_threadsafe(q.put_nowait, item)
+    except RuntimeError:  # the caller's event loop is gone
+        pass
