@@ -1,0 +1,134 @@
+"""`compilelm compile --dump DIR`: everything a person needs to see what the compiler did.
+
+    01_dynamo_graph.py                  the graph Dynamo traced (torch level)
+    02_aten_graph.py                    after AOTAutograd: functional aten, whole model
+    03_after_whole_graph_passes.py      after the whole-graph passes
+    04_split_graph.py, split.md         the split: each piece's inputs/outputs and shapes
+    05_stitched_graph.py                the Python function that runs the pieces
+    06_dynamo_bytecode_decompiled.py    depyf's decompilation of Dynamo's bytecode for forward
+    passes/<graph>/NN.<Pass>.{before,after}.py   every graph before/after every pass
+    inductor/<piece>-<size>.py          Inductor's generated code per compiled piece
+    report.md, report.html, report.json passes (matches, time, --verify error), pieces (op
+                                        counts), compile times, counters, cache key factors
+"""
+
+from __future__ import annotations
+
+import glob
+import html
+import json
+import os
+import shutil
+
+
+class Dumper:
+    def __init__(self, root: str):
+        self.root = os.path.abspath(root)
+        os.makedirs(self.root, exist_ok=True)
+
+    def path(self, *parts: str) -> str:
+        return os.path.join(self.root, *parts)
+
+    def write(self, name: str, text: str) -> None:
+        path = self.path(name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+
+    def inductor_code(self, name: str, artifact) -> None:
+        """Save the artifact unpacked and keep its generated Python module as inductor/<name>.py."""
+        unpacked = self.path("inductor", name + ".unpacked")
+        try:
+            artifact.save(path=unpacked, format="unpacked")
+            code = [p for p in glob.glob(os.path.join(unpacked, "*", "*.py"))]
+            for i, src in enumerate(sorted(code)):
+                shutil.copy(src, self.path("inductor", f"{name}{'' if i == 0 else f'.{i}'}.py"))
+        except Exception as e:
+            self.write(f"inductor/{name}.py", f"# could not extract Inductor's code: {e}\n")
+        finally:
+            shutil.rmtree(unpacked, ignore_errors=True)
+
+
+def report_data(cm) -> dict:
+    """The numbers of one compilation (`CompiledModel`), as plain JSON-able data."""
+    passes: dict[tuple[str, str], dict] = {}
+    for r in cm.recorder.records:
+        stage = "whole_graph" if r.graph == "whole_graph" else "post_grad"
+        agg = passes.setdefault((stage, r.name), {"stage": stage, "pass": r.name, "graphs": 0, "matches": 0,
+                                                 "seconds": 0.0, "max_error": None, "verify_error": None})
+        agg["graphs"] += 1
+        agg["matches"] += r.matches
+        agg["seconds"] += r.seconds
+        if r.max_error is not None:
+            agg["max_error"] = max(agg["max_error"] or 0.0, r.max_error)
+        agg["verify_error"] = agg["verify_error"] or r.verify_error
+    backend = cm.backend
+    return {
+        "mode": cm.mode,
+        "cache": {"dir": cm.cache.dir, "key": cm.cache.key, "enabled": cm.cache.enabled},
+        "times_s": {k: round(v, 4) for k, v in cm.times.items()},
+        "counters": cm.counters,
+        "inductor_counters": cm.inductor_counters,
+        "passes": list(passes.values()),
+        "pass_runs": [vars(r) for r in cm.recorder.records],
+        "pass_uuids": cm.manager.uuids(),
+        "pieces": backend.pieces if backend else [],
+        "cache_key_factors": cm.factors,
+        "depyf_error": cm.depyf_error,
+    }
+
+
+def write_report(cm) -> None:
+    data = report_data(cm)
+    dumper = cm.dumper
+    dumper.write("report.json", json.dumps(data, indent=2, default=str))
+    sections = _sections(data)
+    split_rows = [[p["name"], p["compiled_as"], "<br>".join(p["inputs"]), "<br>".join(p["outputs"])] for p in data["pieces"]]
+    dumper.write("split.md", _markdown([("Pieces", ["piece", "compiled as", "inputs", "outputs"], split_rows)]))
+    dumper.write("report.md", "# compilelm compile report\n\n" + _markdown(sections))
+    dumper.write("report.html", _html(sections))
+
+
+def _sections(data: dict) -> list[tuple[str, list[str], list[list]]]:
+    t = data["times_s"]
+    times = [[k, f"{t[k]:.3f}"] for k in ("dynamo", "aot", "whole_graph_passes", "split", "post_grad_passes",
+                                          "inductor", "load", "total") if k in t]
+    passes = [[p["stage"], p["pass"], p["graphs"], p["matches"], f"{p['seconds'] * 1000:.2f}",
+               "" if p["max_error"] is None else f"{p['max_error']:.3g}", p["verify_error"] or ""]
+              for p in data["passes"]]
+    pieces = [[p["name"], p["compiled_as"], p["key"][:10], len(p["inputs"]), len(p["outputs"]), sum(p["ops"].values()),
+               ", ".join(f"{k}×{v}" for k, v in list(p["ops"].items())[:6])] for p in data["pieces"]]
+    counters = [[k, v] for k, v in {**data["counters"], **{f"inductor.{k}": v for k, v in data["inductor_counters"].items()}}.items()]
+    factors = [[k, json.dumps(v, sort_keys=True, default=str)] for k, v in data["cache_key_factors"].items()]
+    summary = [["mode", data["mode"]], ["cache key", data["cache"]["key"]], ["cache dir", data["cache"]["dir"]],
+               ["depyf", data["depyf_error"] or "ok"]]
+    return [
+        ("Summary", ["", ""], summary),
+        ("Compile times (s)", ["stage", "seconds"], times),
+        ("Passes", ["stage", "pass", "graphs", "matches", "ms", "max error (--verify)", "verify note"], passes),
+        ("Pieces", ["piece", "compiled as", "key", "inputs", "outputs", "ops", "top ops"], pieces),
+        ("Counters", ["counter", "value"], counters),
+        ("Cache key factors", ["factor", "value"], factors),
+    ]
+
+
+def _markdown(sections) -> str:
+    out = []
+    for title, headers, rows in sections:
+        out += [f"## {title}", "", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+        out += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
+        out.append("")
+    return "\n".join(out)
+
+
+def _html(sections) -> str:
+    body = []
+    for title, headers, rows in sections:
+        body.append(f"<h2>{html.escape(title)}</h2><table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in headers) + "</tr>")
+        body += ["<tr>" + "".join(f"<td>{html.escape(str(c)).replace('&lt;br&gt;', '<br>')}</td>" for c in row) + "</tr>" for row in rows]
+        body.append("</table>")
+    style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin-bottom:1.5em}"
+             "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:left;vertical-align:top}"
+             "th{background:#f0f0f0}td{font-family:monospace}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>compilelm compile report</title>"
+            f"<style>{style}</style></head><body><h1>compilelm compile report</h1>{''.join(body)}</body></html>\n")

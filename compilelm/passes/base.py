@@ -1,0 +1,117 @@
+"""The pass base classes: every graph pass has a name, an identity, a match count and a time.
+
+`CompilePass` is an Inductor `CustomGraphPass`: `__call__(graph)` rewrites an FX graph in place
+and `uuid()` identifies the pass for Inductor's cache and compilelm's compile cache. The uuid is
+a hash of the source file that defines the pass (so editing a pattern function invalidates the
+cache — nothing is listed by hand) plus the pass's own config slice.
+
+`FusionPass` is the pattern-matching flavour. A fusion is two module-level functions with the
+same signature, registered in `register()`:
+
+    def pattern_silu_mul(x):                      # what to find (traced to aten ops)
+        a, b = x.chunk(2, -1)
+        return torch.nn.functional.silu(a) * b
+
+    def replace_silu_mul(x):                      # what to put instead
+        return torch.ops.compilelm.silu_and_mul(x)
+
+    class SiluMulFusionPass(FusionPass):
+        def register(self):
+            self.replace(pattern_silu_mul, replace_silu_mul, [torch.empty(4, 16)])
+
+`stage` says where a pass runs: "post_grad" (inside Inductor, once per piece) or "whole_graph"
+(on the aten graph of the whole model before the piecewise split, where a pattern may span
+the attention op). Both stages see the same functional, decomposed aten IR.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import time
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch._inductor import pattern_matcher as pm
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from compilelm.passes.config import PassConfig
+
+
+class CompilePass(CustomGraphPass):
+    stage: ClassVar[str] = "post_grad"  # or "whole_graph"
+
+    def __init__(self, config: PassConfig | None = None):
+        self.config = config if config is not None else PassConfig()
+        self.matches = 0  # total over every graph this instance has seen
+        self.seconds = 0.0
+        self.recorder = None  # set by PassManager: dumps, per-piece stats, --verify
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def run(self, graph: torch.fx.Graph) -> int:
+        """Rewrite `graph` in place; return how many rewrites were made."""
+        raise NotImplementedError
+
+    def config_dict(self) -> dict[str, Any]:
+        """The config values this pass depends on (they enter the uuid)."""
+        return {}
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        before = self.recorder.before(self, graph) if self.recorder is not None else None
+        start = time.perf_counter()
+        n = int(self.run(graph) or 0)
+        seconds = time.perf_counter() - start
+        self.matches += n
+        self.seconds += seconds
+        if self.recorder is not None:
+            self.recorder.after(self, graph, before, n, seconds)
+
+    def uuid(self) -> str:
+        return pass_uuid(type(self), self.config_dict())
+
+
+class FusionPass(CompilePass):
+    """A pass made of `pattern_<what>` / `replace_<what>` pairs (see the module docstring)."""
+
+    def __init__(self, config: PassConfig | None = None):
+        super().__init__(config)
+        self.patterns = pm.PatternMatcherPass(pass_name=self.name)
+        self.register()
+
+    def register(self) -> None:
+        raise NotImplementedError
+
+    def replace(
+        self,
+        pattern: Callable,
+        replacement: Callable,
+        example_inputs: list,
+        extra_check: Callable[[pm.Match], bool] | None = None,
+        scalar_workaround: dict[str, float] | None = None,
+    ) -> None:
+        """Register one pair. Example inputs need only the right rank, dtype and device."""
+        pm.register_replacement(
+            pattern,
+            replacement,
+            example_inputs,
+            pm.fwd_only,
+            self.patterns,
+            extra_check=extra_check or (lambda match: True),
+            scalar_workaround=scalar_workaround or {},
+        )
+
+    def run(self, graph: torch.fx.Graph) -> int:
+        return self.patterns.apply(graph)
+
+
+def pass_uuid(cls: type, config: dict[str, Any]) -> str:
+    """sha256 of the file defining `cls` (patterns, helpers and all) + its name + its config."""
+    h = hashlib.sha256(cls.__qualname__.encode())
+    with open(inspect.getsourcefile(cls), "rb") as f:
+        h.update(f.read())
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    return h.hexdigest()

@@ -1,0 +1,31 @@
+"""Switches for compilelm's graph passes (one bool per pass), part of `CompileConfig.passes`.
+
+A fusion pass adds its switch here, with the default it has at `-O2`; `_LEVEL_OFF` in
+`compilelm/graphs/config.py` lists the switches that `-O1` turns off. User overrides always win.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass(frozen=True)
+class PassConfig:
+    eliminate_noops: bool = True  # NoOpEliminationPass: reshape chains, identity views/slices
+    lower_inplace: bool = True  # InplaceLoweringPass: functional op -> in-place kernel, late
+
+    def __post_init__(self):
+        for f in fields(self):
+            if not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"passes.{f.name} must be a bool, got {getattr(self, f.name)!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PassConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown field(s) in passes: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,88 @@
+"""The pass manager: the ordered list of passes built from a `PassConfig`, installed as
+Inductor's `post_grad_custom_post_pass` for every piece.
+
+Order (documented, fixed):
+
+    whole graph (before the split):  NoOpElimination, <whole-graph fusions>, <custom whole-graph>
+    post-grad (per piece):           NoOpElimination, <fusions>, <custom post-grad>,
+                                     then always the tail: Cleanup, InplaceLowering, Cleanup
+
+Fusions target functional ops; the tail turns them into in-place kernels once, at the very end
+(no pass may run after it). `uuid()` combines every pass's uuid, so editing any pass — or
+switching one on — changes Inductor's cache key and compilelm's compile cache key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from compilelm.passes.base import CompilePass
+from compilelm.passes.cleanup import CleanupPass
+from compilelm.passes.config import PassConfig
+from compilelm.passes.inplace_lowering import InplaceLoweringPass
+from compilelm.passes.noop_elimination import NoOpEliminationPass
+
+
+class PassManager(CustomGraphPass):
+    def __init__(self, config: PassConfig, custom_passes: tuple[str, ...] = ()):
+        self.config = config
+        self.whole_graph: list[CompilePass] = []
+        self.post_grad: list[CompilePass] = []
+        if config.eliminate_noops:
+            self.whole_graph.append(NoOpEliminationPass(config))
+            self.post_grad.append(NoOpEliminationPass(config))
+        # Fusion passes are appended here, in order, each behind its PassConfig switch.
+        for spec in custom_passes:
+            p = load_pass(spec)(config)
+            (self.whole_graph if p.stage == "whole_graph" else self.post_grad).append(p)
+        self.tail: list[CompilePass] = [CleanupPass(config)]
+        if config.lower_inplace:
+            self.tail += [InplaceLoweringPass(config), CleanupPass(config)]
+
+    @property
+    def passes(self) -> list[CompilePass]:
+        return self.whole_graph + self.post_grad + self.tail
+
+    def set_recorder(self, recorder) -> None:
+        for p in self.passes:
+            p.recorder = recorder
+
+    def run_whole_graph(self, gm: torch.fx.GraphModule) -> None:
+        for p in self.whole_graph:
+            p(gm.graph)
+        gm.graph.lint()
+        gm.recompile()
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for p in self.post_grad + self.tail:
+            p(graph)
+
+    def uuid(self) -> str:
+        h = hashlib.sha256()
+        for stage, passes in (("whole_graph", self.whole_graph), ("post_grad", self.post_grad + self.tail)):
+            for p in passes:
+                h.update(f"{stage}:{p.name}:{p.uuid()};".encode())
+        return h.hexdigest()
+
+    def uuids(self) -> dict[str, str]:
+        """Pass name -> uuid, for the cache-key factors and the report."""
+        stages = (("whole_graph", self.whole_graph), ("post_grad", self.post_grad + self.tail))
+        return {f"{stage}.{p.name}": p.uuid() for stage, passes in stages for p in passes}
+
+
+def load_pass(spec: str) -> type[CompilePass]:
+    """Resolve a custom pass given as "package.module:ClassName"."""
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"custom_passes entries must look like 'package.module:ClassName', got {spec!r}")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"custom_passes: cannot load {spec!r}: {e}") from e
+    if not (isinstance(cls, type) and issubclass(cls, CompilePass)):
+        raise ValueError(f"custom_passes: {spec!r} is not a compilelm.passes.CompilePass subclass")
+    return cls
