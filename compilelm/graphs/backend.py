@@ -122,7 +122,8 @@ class CompilelmBackend:
                     self.times["load"] += time.perf_counter() - t
                 else:
                     artifact = self._inductor(first, size, tag)
-                    self.cache.save_artifact(files[tag], artifact)
+                    if not self.fresh:  # --dump compiles bypass Inductor's caches: nothing to save
+                        self.cache.save_artifact(files[tag], artifact)
                 compiled[size] = artifact
                 bar.update()
             runner = PieceRunner(first.name, key, compiled[None], {s: compiled[s] for s in sizes[1:]}, token_arg(first))
@@ -142,13 +143,15 @@ class CompilelmBackend:
         self.recorder.graph = piece.name if size is None else f"{piece.name}.size{tag}"
         passes_before = sum(r.seconds for r in self.recorder.records)
         t = time.perf_counter()
-        artifact = compile_piece(piece, self.manager, size, self.config.max_autotune)
+        if self.dumper:  # bypass Inductor's caches so every pass runs; keep its generated code
+            with self.dumper.inductor_trace(f"{piece.name}-{tag}") as patches:
+                artifact = compile_piece(piece, self.manager, size, self.config.max_autotune, patches)
+        else:
+            artifact = compile_piece(piece, self.manager, size, self.config.max_autotune)
         passes = sum(r.seconds for r in self.recorder.records) - passes_before
         self.times["post_grad_passes"] += passes
         self.times["inductor"] += time.perf_counter() - t - passes
         compile_counters.inductor_compiles += 1
-        if self.dumper:
-            self.dumper.inductor_code(f"{piece.name}-{tag}", artifact)
         return artifact
 
 

@@ -54,7 +54,8 @@ def device_kind(model: torch.nn.Module) -> dict:
     if device.type == "cuda":
         return {"type": "cuda", "name": torch.cuda.get_device_name(device),
                 "capability": list(torch.cuda.get_device_capability(device))}
-    return {"type": device.type, "isa": torch.backends.cpu.get_cpu_capability()}
+    # Inductor bakes the OpenMP thread count into its C++ kernels.
+    return {"type": device.type, "isa": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
 
 
 def cache_key_factors(model: torch.nn.Module, config, pass_uuids: dict, model_factors: dict) -> dict:
@@ -91,9 +92,9 @@ class CompileCache:
         self.inductor_dir = config.resolved_inductor_cache_dir if self.enabled else None
 
     @contextlib.contextmanager
-    def inductor_env(self, inductor_dir: str | None = None):
+    def inductor_env(self):
         """Point Inductor's cache at our directory while compiling/loading (restored after)."""
-        inductor_dir = inductor_dir or self.inductor_dir
+        inductor_dir = self.inductor_dir
         if inductor_dir is None:
             yield
             return

@@ -65,9 +65,7 @@ class CompiledModel:
     def compile(self) -> Callable:
         t0 = time.perf_counter()
         before, inductor_before = compile_counters.snapshot(), dict(torch_counters["inductor"])
-        # --dump builds in a fresh Inductor cache so every pass really runs on every piece.
-        inductor_dir = self.dumper.path("inductor_cache") if self.dumper else None
-        with self.cache.inductor_env(inductor_dir), torch.no_grad():
+        with self.cache.inductor_env(), torch.no_grad():
             fn = None if self.dumper else self._load()
             if fn is None:
                 compile_counters.cache_misses += 1

@@ -14,11 +14,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import html
 import json
 import os
 import shutil
+
+import torch
 
 
 class Dumper:
@@ -35,18 +38,24 @@ class Dumper:
         with open(path, "w") as f:
             f.write(text)
 
-    def inductor_code(self, name: str, artifact) -> None:
-        """Save the artifact unpacked and keep its generated Python module as inductor/<name>.py."""
-        unpacked = self.path("inductor", name + ".unpacked")
+    @contextlib.contextmanager
+    def inductor_trace(self, name: str):
+        """Inductor config patches for one piece's compile that bypass its FX-graph and AOTAutograd
+        caches (so every pass really runs) and keep the generated code as inductor/<name>.py."""
+        trace_dir = self.path("inductor", name + ".trace")
+        patches = {"fx_graph_cache": False, "trace.enabled": True, "trace.debug_dir": trace_dir,
+                   "trace.fx_graph": False, "trace.fx_graph_transformed": False,
+                   "trace.ir_pre_fusion": False, "trace.ir_post_fusion": False}
         try:
-            artifact.save(path=unpacked, format="unpacked")
-            code = [p for p in glob.glob(os.path.join(unpacked, "*", "*.py"))]
-            for i, src in enumerate(sorted(code)):
+            with torch._functorch.config.patch(enable_autograd_cache=False):
+                yield patches
+            found = sorted(glob.glob(os.path.join(trace_dir, "**", "output_code.py"), recursive=True))
+            for i, src in enumerate(found):
                 shutil.copy(src, self.path("inductor", f"{name}{'' if i == 0 else f'.{i}'}.py"))
-        except Exception as e:
-            self.write(f"inductor/{name}.py", f"# could not extract Inductor's code: {e}\n")
+            if not found:
+                self.write(f"inductor/{name}.py", "# Inductor wrote no output code\n")
         finally:
-            shutil.rmtree(unpacked, ignore_errors=True)
+            shutil.rmtree(trace_dir, ignore_errors=True)
 
 
 def report_data(cm) -> dict:

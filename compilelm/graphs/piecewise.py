@@ -56,9 +56,10 @@ def token_arg(piece: Piece) -> int | None:
     return None
 
 
-def compile_piece(piece: Piece, post_grad_pass, size: int | None = None, max_autotune: bool = False):
+def compile_piece(piece: Piece, post_grad_pass, size: int | None = None, max_autotune: bool = False,
+                  extra_patches: dict | None = None):
     """Run Inductor on one piece: symbolic (size None) or specialised to `size` tokens."""
-    patches = {"post_grad_custom_post_pass": post_grad_pass}
+    patches = {"post_grad_custom_post_pass": post_grad_pass, **(extra_patches or {})}
     if size is None:
         inputs, dynamic = piece.inputs, "from_tracing_context"
     else:
