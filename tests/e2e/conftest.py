@@ -14,10 +14,10 @@ PROMPTS = [
     "The capital of France is",
     "Write a haiku about the ocean:",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    SHARED + "Why is the sky blue?",
-    SHARED + "Who built the pyramids of Giza?",
-    SHARED + "How do I make a simple tomato sauce?",
-    SHARED + "What is the boiling point of water at sea level, and why does it change with altitude?",
+    SHARED + "The sky looks blue because",
+    SHARED + "The pyramids of Giza were built by",
+    SHARED + "To make a simple tomato sauce, first",
+    SHARED + "Water boils at a lower temperature on a mountain because the air pressure",
 ]
 MAX_NEW_TOKENS = 24
 

@@ -41,3 +41,19 @@ def test_preemption_matches_hf(hf_reference):
     llm = LLM(enforce_eager=True, num_kv_blocks=12, max_model_len=160, max_num_seqs=8)
     _run(llm, hf_reference)
     assert llm.engine.scheduler.num_preemptions > 0, "the tiny KV cache should force preemption"
+
+
+def test_logprobs_match_hf_logits(hf_reference):
+    import torch
+
+    llm = LLM(enforce_eager=True, max_model_len=512)
+    ids = hf_reference["prompt_ids"][4]
+    out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=4, logprobs=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    with torch.inference_mode():
+        full = torch.tensor([ids + out.outputs[0].token_ids[:-1]])
+        ref = torch.log_softmax(hf_reference["model"](full).logits[0].float(), dim=-1)
+    for pos in range(1, len(ids)):  # prompt token pos is predicted by row pos - 1
+        assert out.prompt_logprobs[pos][ids[pos]].logprob == pytest.approx(ref[pos - 1, ids[pos]].item(), abs=2e-3)
+    for i, tok in enumerate(out.outputs[0].token_ids):
+        assert out.outputs[0].logprobs[i][tok].logprob == pytest.approx(ref[len(ids) - 1 + i, tok].item(), abs=2e-3)
