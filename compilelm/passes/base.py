@@ -47,6 +47,7 @@ class CompilePass(CustomGraphPass):
         self.matches = 0  # total over every graph this instance has seen
         self.seconds = 0.0
         self.recorder = None  # set by PassManager: dumps, per-piece stats, --verify
+        self._uuid: str | None = None
 
     @property
     def name(self) -> str:
@@ -71,7 +72,10 @@ class CompilePass(CustomGraphPass):
             self.recorder.after(self, graph, before, n, seconds)
 
     def uuid(self) -> str:
-        return pass_uuid(type(self), self.config_dict())
+        # Computed once: the identity of the code this instance runs, even if the file changes later.
+        if self._uuid is None:
+            self._uuid = pass_uuid(type(self), self.config_dict())
+        return self._uuid
 
 
 class FusionPass(CompilePass):
