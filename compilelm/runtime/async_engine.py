@@ -166,8 +166,8 @@ class AsyncLLMEngine:
             except BaseException as e:  # noqa: BLE001 - any failure here is fatal
                 self._die(e)
                 return
+            self._publish_stats()  # before delivering: a client that got its answer sees it counted
             self._deliver(outputs)
-            self._publish_stats()
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued commands; False means stop. Blocks for the first one if `block`."""

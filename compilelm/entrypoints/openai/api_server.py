@@ -16,7 +16,7 @@ import time
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from compilelm.entrypoints.openai.errors import OpenAIError, install_error_handlers, unavailable
 from compilelm.entrypoints.openai.metrics import CONTENT_TYPE
@@ -51,7 +51,7 @@ def build_app(state: ServerState, api_keys: list[str] | None = None, public_metr
     chat = OpenAIServingChat(state)
     engine = state.async_engine
 
-    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    @app.get("/health", response_class=Response, responses={503: {"model": ErrorResponse}})
     async def health():
         if engine.errored:
             return unavailable("the engine is dead", retry_after=60).response()
@@ -72,7 +72,7 @@ def build_app(state: ServerState, api_keys: list[str] | None = None, public_metr
     async def version():
         return VersionResponse(version=__version__)
 
-    @app.get("/metrics", responses=_ERRORS)
+    @app.get("/metrics", response_class=PlainTextResponse, responses=_ERRORS)
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 

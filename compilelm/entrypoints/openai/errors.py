@@ -69,9 +69,9 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     if first.get("type") == "json_invalid":
         return bad_request(f"the request body is not valid JSON: {first.get('msg')}",
                            code="invalid_json")
-    param = ".".join(loc) or None
+    param = loc[0] if loc else None  # the top-level field (deeper parts may be union tags)
     msg = first.get("msg", "invalid value")
-    where = f"{param}: " if param else "request body: "
+    where = f"{'.'.join(loc)}: " if loc else "request body: "
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
     return bad_request(f"{where}{msg}{more}", param=param)
 

@@ -62,7 +62,9 @@ class _SamplingRequest(OpenAIBaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+    prompt: (Annotated[str, Field(min_length=1)]
+             | Annotated[list[Annotated[str, Field(min_length=1)]],
+                         Field(min_length=1, max_length=MAX_PROMPTS)]
              | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
                          Field(min_length=1, max_length=MAX_PROMPTS)])

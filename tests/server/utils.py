@@ -1,0 +1,96 @@
+"""Start real compilelm servers for the tests: a subprocess (`compilelm serve ...`) or an
+in-process uvicorn thread around an AsyncLLMEngine the test controls."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+
+API_KEY = "sk-compilelm-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout: float, alive=lambda: True, log=lambda: "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError(f"server exited during startup:\n{log()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"server not healthy after {timeout} s:\n{log()}")
+
+
+class RemoteServer:
+    """`python -m compilelm.entrypoints.cli serve ARGS` on a free localhost port."""
+
+    def __init__(self, args: list[str], timeout: float = 180.0, wait: bool = True):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.base_url = f"{self.url}/v1"
+        self._log = tempfile.NamedTemporaryFile("w+", prefix="compilelm-serve-", suffix=".log",
+                                                delete=False)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the suite shares 2 cores with the server
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "compilelm.entrypoints.cli", "serve", *args,
+             "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        if wait:
+            wait_healthy(self.url, timeout, lambda: self.proc.poll() is None, self.log)
+
+    def log(self) -> str:
+        with open(self._log.name) as f:
+            return f.read()
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+    def close(self) -> None:
+        self.terminate()
+        os.unlink(self._log.name)
+
+
+class InProcessServer:
+    """The app from `build_app` served by uvicorn in a thread, its engine thread started here."""
+
+    def __init__(self, app, state, timeout: float = 120.0):
+        import uvicorn
+
+        self.state = state
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.base_url = f"{self.url}/v1"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        state.async_engine.start()
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_healthy(self.url, timeout, self.thread.is_alive)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.state.async_engine.shutdown()
