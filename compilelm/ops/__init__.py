@@ -1,0 +1,29 @@
+"""Custom ops from csrc/: loads compilelm/_C*.so, which registers torch.ops.compilelm.*, then
+the Python wrappers, fake impls (for tracing) and plain-torch references of each op."""
+
+import importlib.machinery
+from pathlib import Path
+
+import torch
+
+
+def _load_library() -> None:
+    package_dir = Path(__file__).resolve().parent.parent
+    # Prefer the build for this interpreter (compilelm/_C.cpython-311-x86_64-linux-gnu.so, ...).
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = package_dir / f"_C{suffix}"
+        if path.exists():
+            torch.ops.load_library(str(path))
+            return
+    raise ImportError(
+        f"compilelm's C++ ops library (compilelm/_C*.so) is not built in {package_dir}. "
+        "Build it from the repository root with: pip install --no-build-isolation -e ."
+    )
+
+
+_load_library()
+
+from compilelm.ops.attention import paged_attention, paged_attention_ref  # noqa: E402
+from compilelm.ops.cache import reshape_and_cache, reshape_and_cache_ref  # noqa: E402
+
+__all__ = ["paged_attention", "paged_attention_ref", "reshape_and_cache", "reshape_and_cache_ref"]
