@@ -50,7 +50,8 @@ class CompiledModel:
         self.arg_names = [p for p in inspect.signature(model.forward).parameters][:2]
         self.manager = PassManager(config.passes, config.custom_passes)
         self.dumper = Dumper(config.dump_dir) if config.dump_dir else None
-        self.recorder = PassRecorder(self.dumper.path("passes") if self.dumper else None, config.verify_passes)
+        self.recorder = PassRecorder(self.dumper.path("passes") if self.dumper else None, config.verify_passes,
+                                     stand_in_ops=config.splitting_ops)
         self.manager.set_recorder(self.recorder)
         self.factors = cache_key_factors(model, config, self.manager.uuids(), model_factors)
         self.cache = CompileCache(config, self.factors)

@@ -18,6 +18,7 @@ import contextlib
 import glob
 import html
 import json
+import logging
 import os
 import shutil
 
@@ -46,7 +47,12 @@ class Dumper:
         patches = {"fx_graph_cache": False, "trace.enabled": True, "trace.debug_dir": trace_dir,
                    "trace.fx_graph": False, "trace.fx_graph_transformed": False,
                    "trace.ir_pre_fusion": False, "trace.ir_post_fusion": False}
+        # Inductor warns that a cache-less compile cannot be saved and where the trace went.
+        quiet = [logging.getLogger(n) for n in ("torch._inductor.standalone_compile", "torch._inductor.debug")]
+        levels = [q.level for q in quiet]
         try:
+            for q in quiet:
+                q.setLevel(logging.ERROR)
             with torch._functorch.config.patch(enable_autograd_cache=False):
                 yield patches
             found = sorted(glob.glob(os.path.join(trace_dir, "**", "output_code.py"), recursive=True))
@@ -55,6 +61,8 @@ class Dumper:
             if not found:
                 self.write(f"inductor/{name}.py", "# Inductor wrote no output code\n")
         finally:
+            for q, level in zip(quiet, levels):
+                q.setLevel(level)
             shutil.rmtree(trace_dir, ignore_errors=True)
 
 

@@ -24,9 +24,10 @@ class PassRecord:
 
 
 class PassRecorder:
-    def __init__(self, dump_dir: str | None = None, verify: bool = False):
+    def __init__(self, dump_dir: str | None = None, verify: bool = False, stand_in_ops: tuple[str, ...] = ()):
         self.dump_dir = dump_dir
         self.verify = verify
+        self.stand_in_ops = stand_in_ops  # ops replaced by a stand-in when verifying (attention)
         self.graph = "whole_graph"  # the graph being compiled; set by the backend
         self.records: list[PassRecord] = []
 
@@ -45,7 +46,7 @@ class PassRecorder:
             _write(prefix + ".after.py", snapshot(graph).print_readable(print_output=False))
         if before is not None and self.verify:
             try:
-                rec.max_error = max_error(before, snapshot(graph))
+                rec.max_error = max_error(before, snapshot(graph), stand_in_ops=self.stand_in_ops)
             except Exception as e:  # a graph we cannot run eagerly on random data
                 rec.verify_error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
         self.records.append(rec)

@@ -1,0 +1,61 @@
+"""`compile --dump`: the files are there and the report's numbers agree with the counters."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from compilelm.graphs import CompiledModel
+from tests.compile.toy_model import ToyModel, inputs
+
+
+def test_dump_contents_and_report(make_config, tmp_path):
+    model = ToyModel(num_layers=3)
+    dump = tmp_path / "dump"
+    cm = CompiledModel(model, make_config(dump_dir=str(dump), verify_passes=True), {"toy": "dump"})
+    fn = cm.compile()
+    with torch.no_grad():
+        ids, pos = inputs(5)
+        torch.testing.assert_close(fn(ids, pos), model(ids, pos), rtol=1e-5, atol=1e-5)
+
+    for name in ("01_dynamo_graph.py", "02_aten_graph.py", "03_after_whole_graph_passes.py", "04_split_graph.py",
+                 "05_stitched_graph.py", "06_dynamo_bytecode_decompiled.py", "split.md", "report.md", "report.html"):
+        assert (dump / name).stat().st_size > 0, name
+    assert "compilelm_test.attention" in (dump / "02_aten_graph.py").read_text()
+    assert (dump / "05_stitched_graph.py").read_text().count("op0(") == 3  # one attention call per layer
+    assert "def forward" in (dump / "06_dynamo_bytecode_decompiled.py").read_text() or cm.depyf_error
+
+    report = json.loads((dump / "report.json").read_text())
+    # numbers in the report are the counters of this compilation
+    assert report["counters"] == cm.counters
+    assert report["counters"]["pieces"] == 4 == len(report["pieces"])
+    assert report["counters"]["unique_pieces"] == 3 == len({p["key"] for p in report["pieces"]})
+    assert report["counters"]["inductor_compiles"] == 3 == len([f for f in os.listdir(dump / "inductor") if f.endswith(".py")])
+    # op counts per piece, checked against the toy's structure
+    ops = {p["name"]: p["ops"] for p in report["pieces"]}
+    assert ops["submod_0"].get("embedding") == 1 and ops["submod_0"].get("mm") == 1  # embed + layer 0's qkv
+    assert ops["submod_2"].get("mm") == 4  # o_proj, gate_up, down of layer 0; qkv of layer 1
+    assert ops["submod_6"].get("mm") == 3 and ops["submod_6"].get("rsqrt") == 2  # o_proj, gate_up, down; 2 norms
+    # every pass ran on the whole graph or on each of the 3 compiled pieces, with matches and time
+    by_pass = {(p["stage"], p["pass"]): p for p in report["passes"]}
+    assert by_pass[("whole_graph", "NoOpEliminationPass")]["graphs"] == 1
+    assert by_pass[("post_grad", "NoOpEliminationPass")]["graphs"] == 3
+    assert by_pass[("post_grad", "CleanupPass")]["graphs"] == 6
+    for (stage, name), p in by_pass.items():
+        runs = [r for r in cm.recorder.records if r.name == name and (r.graph == "whole_graph") == (stage == "whole_graph")]
+        assert p["matches"] == sum(r.matches for r in runs)
+        assert p["seconds"] == pytest.approx(sum(r.seconds for r in runs))
+        assert p["max_error"] == 0.0, (stage, name, p)  # --verify: no pass changed the numbers
+    # the toy's whole-graph slices x[..., :half] are real; the [0:end] slices of cos/sin are no-ops
+    aten_before = (dump / "02_aten_graph.py").read_text().count("aten.slice")
+    aten_after = (dump / "03_after_whole_graph_passes.py").read_text().count("aten.slice")
+    assert aten_before - aten_after == by_pass[("whole_graph", "NoOpEliminationPass")]["matches"] > 0
+    # before/after dumps of every pass of every compiled piece
+    for piece in {p["compiled_as"] for p in report["pieces"]}:
+        files = sorted(os.listdir(dump / "passes" / piece))
+        assert files[:2] == ["00.NoOpEliminationPass.after.py", "00.NoOpEliminationPass.before.py"]
+        assert len(files) == 2 * 4
+    html = (dump / "report.html").read_text()
+    assert "<table>" in html and "NoOpEliminationPass" in html and "<script" not in html
+    assert report["times_s"]["total"] >= report["times_s"]["inductor"] > 0
