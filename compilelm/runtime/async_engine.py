@@ -18,7 +18,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from compilelm.outputs import RequestOutput
 from compilelm.sampling_params import SamplingParams
@@ -42,21 +41,10 @@ class RequestAbortedError(RuntimeError):
     """The server aborted the request (shutdown timeout ran out)."""
 
 
-@dataclass
-class _Timing:
-    """Per-request timestamps (time.monotonic), kept by the engine thread for metrics."""
-
-    arrival: float
-    num_prompt_tokens: int
-    scheduled: float | None = None
-    first_token: float | None = None
-    last_token: float | None = None
-    num_tokens: list[int] = field(default_factory=list)  # per choice, tokens seen so far
-
-
 class AsyncLLMEngine:
     """`engine_factory` builds the LLMEngine inside the engine thread (so compilation and
-    execution share a thread). `metrics` (optional) receives `observe_*` calls from that thread.
+    execution share a thread). `metrics` (optional, e.g. the server's ServerMetrics) gets
+    `request_added` / `step_done` / `request_finished` calls from that thread.
     """
 
     def __init__(self, engine_factory: Callable[[], object], max_queue_len: int | None = None,
@@ -72,7 +60,6 @@ class AsyncLLMEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _streams and dead_error
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._timings: dict[str, _Timing] = {}  # engine thread only
         self._num_seqs_in_flight = 0  # event-loop side: sequences admitted and not yet done
         self._thread = threading.Thread(target=self._run, name="compilelm-engine", daemon=True)
 
@@ -147,27 +134,41 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         try:
             self.engine = self._factory()
+            self._warm_up()
         except BaseException as e:  # noqa: BLE001 - reported to the server, which exits
-            logger.exception("engine failed to load")
-            self.load_error = e
+            if isinstance(e, (ValueError, FileNotFoundError)):  # a config problem: one line
+                logger.error("engine failed to load: %s", e)
+            else:
+                logger.exception("engine failed to load")
+            self.engine, self.load_error = None, e
             self._ready.set()
             return
         self._publish_stats()
         self._ready.set()
         engine = self.engine
         while True:
-            if not self._drain_commands(block=not engine.has_unfinished_requests()):
-                return
-            if not engine.has_unfinished_requests():
-                self._publish_stats()
-                continue
             try:
-                outputs = engine.step()
+                if not self._drain_commands(block=not engine.has_unfinished_requests()):
+                    return
+                outputs = engine.step() if engine.has_unfinished_requests() else []
+                self._publish_stats()  # before delivering: a client that got its answer sees it
+                self._deliver(outputs)
             except BaseException as e:  # noqa: BLE001 - any failure here is fatal
                 self._die(e)
                 return
-            self._publish_stats()  # before delivering: a client that got its answer sees it counted
-            self._deliver(outputs)
+
+    def _warm_up(self) -> None:
+        """Run one tiny request before serving when the model is compiled, so compilation
+        happens now (and is logged) rather than inside the first client's request."""
+        compilation = getattr(self.engine.config, "compilation", None)
+        if compilation is None or getattr(compilation, "level", 0) == 0:
+            return
+        t0 = time.perf_counter()
+        self.engine.add_request("__warmup__", [0, 0, 0], SamplingParams(max_tokens=2, ignore_eos=True))
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+        logger.info("engine warm-up (first prefill + decode, compiles the model) took %.1f s",
+                    time.perf_counter() - t0)
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued commands; False means stop. Blocks for the first one if `block`."""
@@ -184,13 +185,13 @@ class AsyncLLMEngine:
                 self._add(*cmd[1:])
             elif kind == "abort":
                 self.engine.abort_request(cmd[1])
-                self._finish_timing(cmd[1], "abort")
+                self._finished(cmd[1], "abort")
             elif kind == "abort_all":
                 with self._lock:
                     streams, self._streams = self._streams, {}
                 self.engine.abort_request(list(streams))
                 for rid, stream in streams.items():
-                    self._finish_timing(rid, "abort")
+                    self._finished(rid, "abort")
                     _put(stream, RequestAbortedError("the server is shutting down and aborted "
                                                      "this request"))
 
@@ -207,21 +208,26 @@ class AsyncLLMEngine:
                 self._streams.pop(request_id, None)
             _put(stream, e)
             return
-        self._timings[request_id] = _Timing(arrival, len(prompt_token_ids), num_tokens=[0] * params.n)
+        if self.metrics is not None:
+            self.metrics.request_added(request_id, len(prompt_token_ids), params.n, arrival)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        now = time.monotonic()
-        self._mark_scheduled(now)
+        if self.metrics is not None:
+            requests = self.engine.scheduler.requests
+
+            def started(rid: str) -> bool:  # first scheduled: some of its tokens were computed
+                req = requests.get(rid) or requests.get(f"{rid}#0")
+                return req is None or req.num_computed_tokens > 0
+
+            self.metrics.step_done(outputs, time.monotonic(), started)
         for out in outputs:
-            self._observe_tokens(out, now)
             with self._lock:
                 stream = self._streams.get(out.request_id)
                 if out.finished:
                     self._streams.pop(out.request_id, None)
             if out.finished:
-                reasons = [c.finish_reason for c in out.outputs]
-                self._finish_timing(out.request_id, reasons[0] if len(set(reasons)) == 1 else None,
-                                    out)
+                reasons = {c.finish_reason for c in out.outputs}
+                self._finished(out.request_id, reasons.pop() if len(reasons) == 1 else "mixed")
             if stream is not None:
                 _put(stream, out)
 
@@ -231,52 +237,16 @@ class AsyncLLMEngine:
         with self._lock:
             self.dead_error = dead
             streams, self._streams = self._streams, {}
-        for stream in streams.values():
+        for rid, stream in streams.items():
+            self._finished(rid, "error")
             _put(stream, dead)
-        if self.metrics is not None:
-            for rid in list(self._timings):
-                self._finish_timing(rid, "error")
 
     def _publish_stats(self) -> None:
         self.stats = self.engine.stats()
 
-    # -- metrics (engine thread) ---------------------------------------------------------------
-
-    def _mark_scheduled(self, now: float) -> None:
-        if self.metrics is None:
-            return
-        requests = self.engine.scheduler.requests
-        for rid, t in self._timings.items():
-            if t.scheduled is None:
-                req = requests.get(rid) or requests.get(f"{rid}#0")
-                if req is None or req.num_computed_tokens > 0:
-                    t.scheduled = now
-                    self.metrics.observe_queue_time(now - t.arrival)
-
-    def _observe_tokens(self, out: RequestOutput, now: float) -> None:
-        t = self._timings.get(out.request_id)
-        if t is None or self.metrics is None:
-            return
-        new = 0
-        for c in out.outputs:
-            if c.index < len(t.num_tokens):
-                new += len(c.token_ids) - t.num_tokens[c.index]
-                t.num_tokens[c.index] = len(c.token_ids)
-        if new <= 0:
-            return
-        if t.first_token is None:
-            t.first_token = now
-            self.metrics.observe_ttft(now - t.arrival)
-        else:
-            self.metrics.observe_itl(now - t.last_token)
-        t.last_token = now
-
-    def _finish_timing(self, request_id: str, reason: str | None, out: RequestOutput | None = None):
-        t = self._timings.pop(request_id, None)
-        if t is None or self.metrics is None:
-            return
-        self.metrics.observe_finished(reason or "mixed", time.monotonic() - t.arrival,
-                                      t.num_prompt_tokens, sum(t.num_tokens))
+    def _finished(self, request_id: str, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.request_finished(request_id, reason)
 
 
 class RequestStream:
@@ -324,7 +294,10 @@ class RequestStream:
             self.engine.abort(self.request_id)
 
     def __del__(self):
-        self.close()
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown; nothing left to free
+            pass
 
 
 def _put(stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue], item) -> None:

@@ -10,6 +10,7 @@ orchestrator sees it and restarts it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -137,14 +138,16 @@ async def _until_disconnect(raw: Request, coro):
 
     watcher = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not task.done():
             task.cancel()
-    if task.cancelled():
-        return Response(status_code=499)
-    return task.result()
+    if task in done:
+        return task.result()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task  # let the cancellation run the handler's cleanup (the engine abort)
+    return Response(status_code=499)  # nobody is listening any more
 
 
 class _Server(uvicorn.Server):

@@ -25,10 +25,12 @@ _ESCAPES = "\"\\/bfnrt"
 _VALUE_START = '{["-' + _DIGITS + "tfn"
 _LITERALS = {"t": "rue", "f": "alse", "n": "ull"}
 # number automaton: state -> {character class -> next state}; "end" states may stop here
-_NUM = {"MINUS": {"0": "ZERO", "d": "INT"}, "ZERO": {".": "DOT", "e": "E"},
-        "INT": {"0": "INT", "d": "INT", ".": "DOT", "e": "E"}, "DOT": {"0": "FRAC", "d": "FRAC"},
-        "FRAC": {"0": "FRAC", "d": "FRAC", "e": "E"}, "E": {"+": "ESIGN", "0": "EXP", "d": "EXP"},
-        "ESIGN": {"0": "EXP", "d": "EXP"}, "EXP": {"0": "EXP", "d": "EXP"}}
+_NUM = {"MINUS": {"zero": "ZERO", "digit": "INT"}, "ZERO": {"dot": "DOT", "exp": "E"},
+        "INT": {"zero": "INT", "digit": "INT", "dot": "DOT", "exp": "E"},
+        "DOT": {"zero": "FRAC", "digit": "FRAC"},
+        "FRAC": {"zero": "FRAC", "digit": "FRAC", "exp": "E"},
+        "E": {"sign": "ESIGN", "zero": "EXP", "digit": "EXP"},
+        "ESIGN": {"zero": "EXP", "digit": "EXP"}, "EXP": {"zero": "EXP", "digit": "EXP"}}
 _NUM_END = {"ZERO", "INT", "FRAC", "EXP"}
 _NUM_FIRST = _DIGITS + ".eE+-" + _WS + ",}]"
 # first characters (after optional whitespace) that can be valid in each structural state
@@ -37,14 +39,16 @@ _STRUCT_FIRST = {"START": "{", "OBJ_OPEN": '"}', "OBJ_KEY": '"', "COLON": ":",
 _INITIAL = (("START",), ())
 
 
-def _num_class(ch: str) -> str:
+def _num_class(ch: str) -> str | None:
     if ch == "0":
-        return "0"
+        return "zero"
     if ch in _DIGITS:
-        return "d"
+        return "digit"
     if ch in "eE":
-        return "e"
-    return "+" if ch in "+-" else ch
+        return "exp"
+    if ch == ".":
+        return "dot"
+    return "sign" if ch in "+-" else None
 
 
 def _after(stack: tuple) -> tuple:

@@ -8,6 +8,9 @@ observed by the engine thread as tokens arrive; HTTP-side rejections are counted
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -47,8 +50,21 @@ class _EngineStatsCollector:
             yield c
 
 
+@dataclass
+class _Timing:
+    """One request's timestamps (time.monotonic), kept from the engine thread."""
+
+    arrival: float
+    num_prompt_tokens: int
+    num_tokens: list[int]  # per choice, tokens seen so far
+    scheduled: bool = False
+    first_token: float | None = None
+    last_token: float | None = None
+
+
 class ServerMetrics:
-    """All metrics of one server. `observe_*` are called from the engine thread."""
+    """All metrics of one server. The `request_*` / `step_done` hooks are called by the
+    AsyncLLMEngine's thread; `count_rejection` by the HTTP side."""
 
     def __init__(self, model_name: str, stats_fn):
         self.registry = CollectorRegistry(auto_describe=True)
@@ -73,22 +89,47 @@ class ServerMetrics:
                                 labels + ["finished_reason"], registry=self.registry)
         self._rejected = Counter("compilelm:request_rejections", "Requests refused before the engine.",
                                  labels + ["reason"], registry=self.registry)
+        self._timings: dict[str, _Timing] = {}
 
-    def observe_ttft(self, seconds: float) -> None:
-        self.ttft.observe(seconds)
+    # -- hooks (engine thread) -----------------------------------------------------------------
 
-    def observe_itl(self, seconds: float) -> None:
-        self.itl.observe(seconds)
+    def request_added(self, request_id: str, num_prompt_tokens: int, n: int, arrival: float):
+        self._timings[request_id] = _Timing(arrival, num_prompt_tokens, [0] * n)
 
-    def observe_queue_time(self, seconds: float) -> None:
-        self.queue_time.observe(seconds)
+    def step_done(self, outputs, now: float, started) -> None:
+        """After a step: queue time of requests scheduled for the first time (`started(id)`),
+        TTFT / inter-token latency of the requests that got tokens."""
+        for rid, t in self._timings.items():
+            if not t.scheduled and started(rid):
+                t.scheduled = True
+                self.queue_time.observe(now - t.arrival)
+        for out in outputs:
+            t = self._timings.get(out.request_id)
+            if t is None:
+                continue
+            new = 0
+            for c in out.outputs:
+                if c.index < len(t.num_tokens):
+                    new += len(c.token_ids) - t.num_tokens[c.index]
+                    t.num_tokens[c.index] = len(c.token_ids)
+            if new <= 0:
+                continue
+            if t.first_token is None:
+                t.first_token = now
+                self.ttft.observe(now - t.arrival)
+            else:
+                self.itl.observe(now - t.last_token)
+            t.last_token = now
 
-    def observe_finished(self, reason: str, e2e_seconds: float, num_prompt_tokens: int,
-                         num_generation_tokens: int) -> None:
+    def request_finished(self, request_id: str, reason: str) -> None:
+        """reason: stop | length | abort | error | mixed (n > 1 choices ended differently)."""
+        t = self._timings.pop(request_id, None)
+        if t is None:
+            return
         self._success.labels(self.model_name, reason).inc()
-        self.e2e.observe(e2e_seconds)
-        self.prompt_tokens.observe(num_prompt_tokens)
-        self.generation_tokens.observe(num_generation_tokens)
+        self.e2e.observe(time.monotonic() - t.arrival)
+        self.prompt_tokens.observe(t.num_prompt_tokens)
+        self.generation_tokens.observe(sum(t.num_tokens))
 
     def count_rejection(self, reason: str) -> None:
         """reason: queue_full | draining | loading | engine_dead."""

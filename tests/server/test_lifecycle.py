@@ -1,0 +1,228 @@
+"""Overload, shutdown and engine death: 429 with Retry-After on a full queue, SIGTERM drains
+in-flight work (or aborts it with --shutdown-timeout 0), and an exception inside the engine
+fails every request with a 500 / error event and turns /health to 503."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server.utils import InProcessServer, RemoteServer
+
+pytestmark = pytest.mark.slow
+
+DUMMY = "dummy:smollm2-135m"  # random weights of the default model's shape: no weights to load
+LONG = {"prompt": [5, 6, 7, 8], "max_tokens": 200, "ignore_eos": True, "stream": True}
+
+
+def _in_process(max_num_seqs: int, max_queue_len: int | None, step_delay: float = 0.0):
+    """A 2-layer dummy engine behind the real app; `step_delay` slows each step down."""
+    from compilelm.entrypoints.openai.api_server import build_app
+    from compilelm.entrypoints.openai.metrics import ServerMetrics
+    from compilelm.entrypoints.openai.serving_engine import ServerState
+    from compilelm.llm import make_engine_config
+    from compilelm.runtime.async_engine import AsyncLLMEngine
+    from compilelm.runtime.engine import LLMEngine
+
+    config = make_engine_config(DUMMY, model_overrides={"num_hidden_layers": 2}, max_model_len=256,
+                                num_kv_blocks=80, max_num_seqs=max_num_seqs, enforce_eager=True)
+
+    def factory():
+        engine = LLMEngine(config)
+        step = engine.step
+
+        def slow_step():
+            time.sleep(step_delay)
+            return step()
+
+        engine.step = slow_step
+        return engine
+
+    async_engine = AsyncLLMEngine(factory, max_queue_len=max_queue_len)
+    state = ServerState(async_engine, ["dummy"])
+    state.metrics = async_engine.metrics = ServerMetrics("dummy", lambda: async_engine.stats)
+    return InProcessServer(build_app(state), state)
+
+
+class _Events:
+    """Reads a streaming response event by event. Keep it referenced while the request should
+    stay open: dropping a half-read iterator closes the connection (a client disconnect)."""
+
+    def __init__(self, response: httpx.Response):
+        self.lines = response.iter_lines()
+
+    def next(self) -> dict:
+        for line in self.lines:
+            if line.startswith("data: "):
+                return json.loads(line[6:])
+        raise AssertionError("no event")
+
+    def rest(self) -> list[str]:
+        return [line for line in self.lines if line]
+
+
+def test_full_queue_gets_429_with_retry_after():
+    srv = _in_process(max_num_seqs=2, max_queue_len=1, step_delay=0.02)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            with c.stream("POST", "/v1/completions", json=LONG) as a, \
+                    c.stream("POST", "/v1/completions", json=LONG) as b, \
+                    c.stream("POST", "/v1/completions", json=LONG) as w:  # 2 running + 1 waiting
+                readers = [_Events(a), _Events(b)]
+                assert all(r.next()["choices"] for r in readers)
+                assert w.status_code == 200 and srv.state.async_engine.num_seqs_in_flight == 3
+                r = c.post("/v1/completions", json={**LONG, "stream": False})
+                assert r.status_code == 429
+                assert int(r.headers["retry-after"]) >= 1
+                assert r.json()["error"]["type"] == "rate_limit_error"
+                r = c.post("/v1/completions", json={**LONG, "stream": True})
+                assert r.status_code == 429  # a real status, not an error inside a 200 stream
+                client = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0)
+                with pytest.raises(openai.RateLimitError):
+                    client.completions.create(model="dummy", prompt=[5], max_tokens=1)
+            # the three streams were closed: their slots are free again
+            deadline = time.monotonic() + 30
+            while srv.state.async_engine.num_seqs_in_flight and time.monotonic() < deadline:
+                time.sleep(0.05)
+            r = c.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
+            assert r.status_code == 200
+            assert 'reason="queue_full"' in c.get("/metrics").text
+    finally:
+        srv.close()
+
+
+def test_engine_death_fails_requests_and_health(caplog):
+    srv = _in_process(max_num_seqs=8, max_queue_len=None, step_delay=0.01)
+    engine = srv.state.async_engine.engine
+    boom = threading.Event()
+    step = engine.step
+
+    def failing_step():
+        if boom.is_set():
+            raise RuntimeError("injected forward failure")
+        return step()
+
+    engine.step = failing_step
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            assert c.get("/health").status_code == 200
+            blocking: dict = {}
+            t = threading.Thread(target=lambda: blocking.setdefault(
+                "r", c.post("/v1/completions", json={**LONG, "stream": False})))
+            with caplog.at_level(logging.ERROR, logger="compilelm"):
+                with c.stream("POST", "/v1/completions", json=LONG) as s:
+                    events = _Events(s)
+                    assert events.next()["choices"][0]["text"] is not None
+                    t.start()
+                    time.sleep(0.3)
+                    boom.set()
+                    rest = events.rest()
+                t.join(30)
+            assert rest[-1] == "data: [DONE]"
+            error = json.loads(rest[-2][6:])["error"]
+            assert "injected forward failure" in error["message"]
+            r = blocking["r"]
+            assert r.status_code == 500 and "injected" in r.json()["error"]["message"]
+            assert c.get("/health").status_code == 503
+            t0 = time.monotonic()
+            r = c.post("/v1/completions", json={"prompt": [5], "max_tokens": 1})
+            assert r.status_code == 500 and time.monotonic() - t0 < 5  # fails fast, no hang
+            assert any("engine step failed" in rec.getMessage() for rec in caplog.records)
+    finally:
+        srv.close()
+
+
+def _stream_to_end(url: str, body: dict, out: dict, key: str) -> None:
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            out[key] = [line for line in r.iter_lines() if line]
+    except httpx.HTTPError as e:
+        out[key] = e
+
+
+def test_health_503_while_loading_then_sigterm_drains_in_flight_requests():
+    srv = RemoteServer([DUMMY, "--enforce-eager", "--max-model-len", "256", "--num-kv-blocks",
+                        "64", "--shutdown-timeout", "60"], wait=False)
+    try:
+        statuses = []  # /health from the moment the port answers: 503 (loading) until ready
+        deadline = time.monotonic() + 180
+        while not statuses or statuses[-1][0] != 200:
+            assert time.monotonic() < deadline and srv.proc.poll() is None, srv.log()
+            try:
+                r = httpx.get(f"{srv.url}/health", timeout=2)
+                statuses.append((r.status_code, r.headers.get("retry-after")))
+            except httpx.TransportError:
+                pass
+            time.sleep(0.02)
+        assert statuses[0][0] == 503 and statuses[0][1] is not None, statuses[:3]
+        assert {s for s, _ in statuses} == {503, 200}
+        body = {**LONG, "max_tokens": 24}
+        results: dict = {}
+        threads = [threading.Thread(target=_stream_to_end, args=(srv.url, body, results, k))
+                   for k in ("a", "b")]
+        for t in threads:
+            t.start()
+        _wait_in_flight(srv, 2)
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert httpx.get(f"{srv.url}/health").status_code == 503
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": [5], "max_tokens": 1})
+        assert r.status_code == 503 and "retry-after" in r.headers
+        for t in threads:
+            t.join(120)
+        assert srv.proc.wait(60) == 0, srv.log()
+        for k in ("a", "b"):  # both ran to the end: 24 tokens, finish_reason length, [DONE]
+            lines = results[k]
+            assert lines[-1] == "data: [DONE]", lines[-3:]
+            chunks = [json.loads(line[6:]) for line in lines[:-1]]
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    finally:
+        srv.close()
+
+
+def _in_flight(srv) -> float:
+    """running + waiting requests, from /metrics (0 if unreachable)."""
+    try:
+        text = httpx.get(f"{srv.url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return 0
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(("compilelm:num_requests_running", "compilelm:num_requests_waiting")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _wait_in_flight(srv, n: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while _in_flight(srv) < n:
+        assert time.monotonic() < deadline, "requests never reached the engine"
+        time.sleep(0.1)
+
+
+def test_sigterm_with_zero_timeout_aborts_and_exits_fast():
+    srv = RemoteServer([DUMMY, "--enforce-eager", "--max-model-len", "256", "--num-kv-blocks",
+                        "64", "--shutdown-timeout", "0"])
+    try:
+        results: dict = {}
+        t = threading.Thread(target=_stream_to_end,
+                             args=(srv.url, {**LONG, "max_tokens": 200}, results, "a"))
+        t.start()
+        _wait_in_flight(srv, 1)
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(15) == 0, srv.log()
+        assert time.monotonic() - t0 < 10
+        t.join(30)
+        lines = results["a"]
+        assert lines[-1] == "data: [DONE]"
+        assert "shutting down" in json.loads(lines[-2][6:])["error"]["message"]
+    finally:
+        srv.close()
