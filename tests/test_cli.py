@@ -1,0 +1,54 @@
+"""The `compilelm` command line, run as a user would (a subprocess)."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "compilelm.entrypoints.cli", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_subcommands():
+    r = _cli("--help")
+    assert r.returncode == 0
+    assert "generate" in r.stdout
+
+
+def test_generate_on_tiny_dummy_model():
+    r = _cli("generate", "Hello", "--model", "dummy:smollm2-135m", "--max-tokens", "4",
+             "--max-model-len", "128", "--num-kv-blocks", "16", "--enforce-eager")
+    assert r.returncode == 0, r.stderr
+    assert "Loading weights" in r.stderr or "weights loaded" in r.stderr
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--max-tokens", "0"], "--max-tokens"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--dtype", "int3"], "--dtype"),
+    (["--max-model-len", "1"], "--max-model-len"),
+    (["--tensor-parallel-size", "3"], "--tensor-parallel-size"),
+])
+def test_bad_flag_is_named(args, flag):
+    r = _cli("generate", "Hi", "--model", "dummy:smollm2-135m", *args)
+    assert r.returncode == 2
+    assert flag in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_missing_model_is_clear():
+    r = _cli("generate", "Hi", "--model", "/no/such/dir")
+    assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+@pytest.mark.slow
+def test_generate_default_model_matches_api():
+    from compilelm import LLM, SamplingParams
+    r = _cli("generate", "The capital of France is", "--max-tokens", "8", "--enforce-eager",
+             "--max-model-len", "512")
+    assert r.returncode == 0, r.stderr
+    ref = LLM(enforce_eager=True, max_model_len=512).generate(
+        "The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert r.stdout.rstrip("\n") == ref[0].outputs[0].text
