@@ -80,6 +80,12 @@ CASES = [
      "response_format"),
     ("tools", "POST", CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {}}}]}, {}, 400, None, "tools"),
+    ("logit_bias bad key", "POST", CMPL, {"prompt": "hi", "logit_bias": {"abc": 1}}, {}, 400,
+     None, "logit_bias"),
+    ("logit_bias out of vocab", "POST", CMPL, {"prompt": "hi", "logit_bias": {"49152": 1}}, {},
+     400, None, "logit_bias"),
+    ("logit_bias too big", "POST", CHAT, {"messages": MSG, "logit_bias": {"5": 101}}, {}, 400,
+     None, "logit_bias"),
     ("suffix", "POST", CMPL, {"prompt": "hi", "suffix": "end"}, {}, 400, None, "suffix"),
     ("detokenize out of vocab", "POST", "/detokenize", {"tokens": [49152]}, {}, 400, None,
      "tokens"),

@@ -133,6 +133,13 @@ def test_sampling_knobs_are_applied(client, model_name):
     assert r.usage.completion_tokens == 8
 
 
+def test_logit_bias_forces_a_token(client, model_name, tokenizer):
+    token = tokenizer.encode(" banana", add_special_tokens=False)[0]
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=3, temperature=0,
+                                  logit_bias={str(token): 100}, logprobs=0)
+    assert r.choices[0].logprobs.tokens == [tokenizer.decode([token])] * 3
+
+
 def test_stop_strings(http, client, model_name):
     kw = dict(model=model_name, prompt=PROMPT, temperature=0, max_tokens=24)
     full = client.completions.create(**kw).choices[0].text

@@ -52,6 +52,8 @@ class _SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=1024)] | None = None
     user: str | None = None
 
     @model_validator(mode="after")

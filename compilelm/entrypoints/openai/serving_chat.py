@@ -22,7 +22,6 @@ from compilelm.entrypoints.openai.serving_engine import (ChoiceStream, OpenAISer
                                                          holdback_for, random_id)
 from compilelm.models.tokenizer import apply_chat_template
 from compilelm.runtime.async_engine import RequestStream
-from compilelm.sampling_params import SamplingParams
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -71,9 +70,6 @@ class OpenAIServingChat(OpenAIServing):
     def _json_processor(self, kind: str):
         if kind != "json_object":
             raise bad_request(f"response_format {kind!r} is not supported (use json_object)",
-                              param="response_format")
-        if "logits_processors" not in SamplingParams.__dataclass_fields__:
-            raise bad_request("response_format json_object needs an engine with logits processors",
                               param="response_format")
         from compilelm.entrypoints.openai.json_mode import json_object_processor
         return json_object_processor(self.engine)

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from compilelm.entrypoints.openai.errors import OpenAIError, bad_request, internal_error, unavailable
+from compilelm.entrypoints.openai.logit_bias import LogitBiasProcessor, parse_logit_bias
 from compilelm.outputs import CompletionOutput, RequestOutput
 from compilelm.runtime.async_engine import (AsyncLLMEngine, EngineDeadError, EngineNotReadyError,
                                             QueueFullError, RequestAbortedError, RequestStream)
@@ -110,6 +111,12 @@ class OpenAIServing:
             value = getattr(req, name)
             if value is not None:
                 kw[name] = value
+        if req.logit_bias:
+            try:
+                bias = parse_logit_bias(req.logit_bias, self.engine.model_config.vocab_size)
+            except ValueError as e:
+                raise bad_request(str(e), param="logit_bias") from e
+            kw["logits_processors"] = [LogitBiasProcessor(bias), *kw.get("logits_processors", [])]
         try:
             return SamplingParams(**kw)
         except ValueError as e:
