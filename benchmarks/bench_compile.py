@@ -7,7 +7,8 @@
    Reported: the compiler's own time, and the process wall time until the model is compiled
    (imports and weight loading included).
 2. Decode tokens/s at each batch size: compilelm engine compiled (-O2), eager (-O0), and Hugging
-   Face transformers on the same weights (greedy, KV cache, `generate`).
+   Face transformers on the same weights (greedy, KV cache, `generate`). Engine numbers are
+   batch / median decode-step time; HF's are from the best of 3 runs.
 
 Prints a table and writes JSON (default benchmarks/results/bench_compile.json). No asserts.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -56,24 +58,24 @@ def compile_times(model: str) -> dict:
 
 
 def engine_decode(model: str, batch: int, tokens: int, enforce_eager: bool, prompt_len: int = 8) -> float:
-    """Decode tokens/s of the compilelm engine: time of the steps after the first (prefill)."""
+    """Decode tokens/s of the compilelm engine: batch / median time of a decode step (the
+    median keeps other processes on a shared machine from skewing the number)."""
     from compilelm import LLM, SamplingParams
 
     llm = LLM(None if model == "default" else model, enforce_eager=enforce_eager)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    for warm in (True, False):
+    step_times = []
+    for round_ in range(2):  # round 0 warms up
         for i in range(batch):
             engine.add_request(None, [1] + [100 + (7 * i + j) % 1000 for j in range(prompt_len - 1)], params)
         engine.step()  # prefill (+ first token)
-        steps, t = 0, time.perf_counter()
         while engine.has_unfinished_requests():
+            t = time.perf_counter()
             engine.step()
-            steps += 1
-        elapsed = time.perf_counter() - t
-        if not warm:
-            return batch * steps / elapsed
-    return 0.0
+            if round_:
+                step_times.append(time.perf_counter() - t)
+    return batch / statistics.median(step_times)
 
 
 def hf_decode(model: str, batch: int, tokens: int, prompt_len: int = 8) -> float:
@@ -100,7 +102,8 @@ def hf_decode(model: str, batch: int, tokens: int, prompt_len: int = 8) -> float
 
     with torch.inference_mode():
         run(2)  # warm-up
-        return batch * (tokens - 1) / (run(tokens) - run(1))
+        # best of 3: the least disturbed run on a shared machine
+        return batch * (tokens - 1) / (min(run(tokens) for _ in range(3)) - min(run(1) for _ in range(3)))
 
 
 def main() -> None:

@@ -143,11 +143,12 @@ class CompilelmBackend:
         self.recorder.graph = piece.name if size is None else f"{piece.name}.size{tag}"
         passes_before = sum(r.seconds for r in self.recorder.records)
         t = time.perf_counter()
+        options = dict(self.config.inductor_options)
         if self.dumper:  # bypass Inductor's caches so every pass runs; keep its generated code
             with self.dumper.inductor_trace(f"{piece.name}-{tag}") as patches:
-                artifact = compile_piece(piece, self.manager, size, self.config.max_autotune, patches)
+                artifact = compile_piece(piece, self.manager, size, self.config.max_autotune, {**options, **patches})
         else:
-            artifact = compile_piece(piece, self.manager, size, self.config.max_autotune)
+            artifact = compile_piece(piece, self.manager, size, self.config.max_autotune, options)
         passes = sum(r.seconds for r in self.recorder.records) - passes_before
         self.times["post_grad_passes"] += passes
         self.times["inductor"] += time.perf_counter() - t - passes

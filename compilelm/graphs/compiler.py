@@ -26,7 +26,7 @@ from compilelm.graphs.cache import CompileCache, cache_key_factors
 from compilelm.graphs.config import CompileConfig
 from compilelm.graphs.counters import compile_counters
 from compilelm.graphs.dump import Dumper, write_report
-from compilelm.graphs.piecewise import PieceRunner
+from compilelm.graphs.piecewise import PieceRunner, inductor_patches
 from compilelm.graphs.stitch import build_graph, entry_function
 from compilelm.passes import PassManager, PassRecorder
 
@@ -49,6 +49,7 @@ class CompiledModel:
         self.config = config
         self.arg_names = [p for p in inspect.signature(model.forward).parameters][:2]
         self.manager = PassManager(config.passes, config.custom_passes)
+        inductor_patches(self.manager, dict(config.inductor_options))  # unknown settings fail here, early
         self.dumper = Dumper(config.dump_dir) if config.dump_dir else None
         self.recorder = PassRecorder(self.dumper.path("passes") if self.dumper else None, config.verify_passes,
                                      stand_in_ops=config.splitting_ops)

@@ -42,6 +42,9 @@ class CompileConfig:
     # Token counts compiled with static shapes besides the symbolic range.
     compile_sizes: tuple[int, ...] = ()
     max_autotune: bool = False  # Inductor max-autotune for the static compile sizes
+    # Extra torch._inductor.config settings for every piece, e.g. {"cpp.threads": 1} (given as a
+    # JSON object; stored as sorted (name, value) pairs so the config stays hashable).
+    inductor_options: tuple[tuple[str, object], ...] = ()
     passes: PassConfig = field(default_factory=PassConfig)
     custom_passes: tuple[str, ...] = ()  # "package.module:PassClass", run after built-in passes
     cache_dir: str | None = None  # None = default_cache_dir()
@@ -59,6 +62,13 @@ class CompileConfig:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
         if isinstance(self.passes, dict):
             set_("passes", PassConfig.from_dict(self.passes))
+        options = self.inductor_options
+        if isinstance(options, dict):
+            options = tuple(sorted(options.items()))
+        if not isinstance(options, (list, tuple)) or not all(
+                isinstance(kv, (list, tuple)) and len(kv) == 2 and isinstance(kv[0], str) for kv in options):
+            raise ValueError(f"inductor_options must be an object of Inductor config settings, got {self.inductor_options!r}")
+        set_("inductor_options", tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in options))
         for name in ("splitting_ops", "compile_sizes", "custom_passes", "cudagraph_capture_sizes"):
             value = getattr(self, name)
             if isinstance(value, str) or not isinstance(value, (list, tuple)):

@@ -56,10 +56,24 @@ def token_arg(piece: Piece) -> int | None:
     return None
 
 
+# Per-call input checks in Inductor's wrapper code cost microseconds per tensor on every piece of
+# every step; the pieces are only ever fed what they were compiled for.
+_QUIET = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+
+
+def inductor_patches(post_grad_pass, options: dict | None = None) -> dict:
+    known = torch._inductor.config.get_config_copy()
+    patches = {k: v for k, v in _QUIET.items() if k in known}  # (names differ across torch versions)
+    unknown = sorted(set(options or {}) - set(known))
+    if unknown:
+        raise ValueError(f"inductor_options: unknown Inductor config setting(s): {', '.join(unknown)}")
+    return {**patches, **(options or {}), "post_grad_custom_post_pass": post_grad_pass}
+
+
 def compile_piece(piece: Piece, post_grad_pass, size: int | None = None, max_autotune: bool = False,
-                  extra_patches: dict | None = None):
+                  options: dict | None = None):
     """Run Inductor on one piece: symbolic (size None) or specialised to `size` tokens."""
-    patches = {"post_grad_custom_post_pass": post_grad_pass, **(extra_patches or {})}
+    patches = inductor_patches(post_grad_pass, options)
     if size is None:
         inputs, dynamic = piece.inputs, "from_tracing_context"
     else:

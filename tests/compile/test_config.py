@@ -59,3 +59,16 @@ def test_cache_key_ignores_paths_and_debug_fields():
     a = CompileConfig(cache_dir="/a", dump_dir="/d", verify_passes=True, cudagraph_capture_sizes=(1, 2))
     assert a.cache_key_dict() == CompileConfig().cache_key_dict()
     assert CompileConfig(compile_sizes=(4,)).cache_key_dict() != CompileConfig().cache_key_dict()
+
+
+def test_inductor_options(make_config):
+    from compilelm.graphs import CompiledModel
+    from tests.compile.toy_model import ToyModel
+
+    c = CompileConfig.from_cli(None, '{"inductor_options": {"cpp.threads": 1}}')
+    assert c.inductor_options == (("cpp.threads", 1),) and hash(c)
+    assert c.cache_key_dict() != CompileConfig().cache_key_dict()  # they change the compiled code
+    with pytest.raises(ValueError, match="inductor_options"):
+        CompileConfig.from_cli(None, '{"inductor_options": [1]}')
+    with pytest.raises(ValueError, match="no_such_setting"):
+        CompiledModel(ToyModel(num_layers=1), make_config(inductor_options={"no_such_setting": 1}), {})
