@@ -194,7 +194,8 @@ def serve_http(app, state: ServerState, host: str, port: int, shutdown_timeout: 
                log_level: str = "info") -> None:
     """Serve until drained. Raises the engine's load error if the model failed to load."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=5, timeout_keep_alive=5)
+                            timeout_graceful_shutdown=5, timeout_keep_alive=5,
+                            h11_max_incomplete_event_size=64 * 1024)  # bounds header memory
     server = _Server(config, state, shutdown_timeout)
     engine = state.async_engine
     url = f"http://{host}:{port}"
