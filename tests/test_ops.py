@@ -98,6 +98,21 @@ def test_paged_attention_query_sliced_from_qkv(dtype):
     torch.testing.assert_close(out, paged_attention_ref(query, *rest), **TOLERANCES[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [36, 72, 80])  # scalar tail, one odd vector, two-vector steps
+def test_paged_attention_other_head_sizes(dtype, head_size):
+    inputs = make_attention_inputs(
+        [(1, 37), (9, 9), (4, 20)],
+        block_size=8,
+        num_heads=4,
+        num_kv_heads=2,
+        head_size=head_size,
+        dtype=dtype,
+        num_pad_rows=1,
+    )
+    torch.testing.assert_close(paged_attention(*inputs), paged_attention_ref(*inputs), **TOLERANCES[dtype])
+
+
 def test_paged_attention_long_prefill_and_decodes():
     # Several query tiles and key chunks in one sequence, next to decodes (work-queue balance).
     inputs = make_attention_inputs(

@@ -68,6 +68,7 @@ struct Scratch {
 // Online-softmax step of num_q query vectors (q: [num_q, D], pre-scaled) against one chunk of
 // keys; query i sees the first visible[i] of them. m, l: running max / denominator [num_q];
 // acc: [num_q, D]; scores: [kKeyChunk] scratch.
+COMPILELM_CPU_CLONES
 void attend_chunk(const float* q, int64_t num_q, const float* const* k, const float* const* v,
                   const int64_t* visible, int64_t D, float* m, float* l, float* acc, float* scores) {
   using vec::kLanes;
@@ -81,10 +82,17 @@ void attend_chunk(const float* q, int64_t num_q, const float* const* k, const fl
     // scores = q . k and the new running max
     float mx = m[i];
     for (int64_t j = 0; j < n; ++j) {
-      vec::f32x16 partial = {};
+      vec::fvec p0 = {}, p1 = {};  // two partial sums: two FMA chains in flight
       int64_t d = 0;
-      for (; d < D_vec; d += kLanes) partial += vec::load(qi + d) * vec::load(k[j] + d);
-      float dot = vec::reduce_add(partial);
+      for (; d + 2 * kLanes <= D_vec; d += 2 * kLanes) {
+        p0 += vec::load(qi + d) * vec::load(k[j] + d);
+        p1 += vec::load(qi + d + kLanes) * vec::load(k[j] + d + kLanes);
+      }
+      if (d < D_vec) {
+        p0 += vec::load(qi + d) * vec::load(k[j] + d);
+        d += kLanes;
+      }
+      float dot = vec::reduce_add(p0 + p1);
       for (; d < D; ++d) dot += qi[d] * k[j][d];
       scores[j] = dot;
       mx = std::max(mx, dot);
@@ -98,11 +106,11 @@ void attend_chunk(const float* q, int64_t num_q, const float* const* k, const fl
     for (int64_t j = 0; j < n; ++j) sum += scores[j];
     l[i] = l[i] * correction + sum;
 
-    // acc = acc * correction + p @ v, one 16-lane slice of head_size at a time; four partial
+    // acc = acc * correction + p @ v, one vector-wide slice of head_size at a time; four partial
     // sums keep four FMAs in flight instead of one chain as long as the chunk
     int64_t d = 0;
     for (; d < D_vec; d += kLanes) {
-      vec::f32x16 a0 = vec::load(ai + d) * correction, a1 = {}, a2 = {}, a3 = {};
+      vec::fvec a0 = vec::load(ai + d) * correction, a1 = {}, a2 = {}, a3 = {};
       int64_t j = 0;
       for (; j + 4 <= n; j += 4) {
         a0 += vec::broadcast(scores[j]) * vec::load(v[j] + d);
@@ -121,13 +129,18 @@ void attend_chunk(const float* q, int64_t num_q, const float* const* k, const fl
   }
 }
 
+COMPILELM_CPU_CLONES
+void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
+  vec::bf16_to_float(src, dst, n);
+}
+
 // fp32 view of one cache row: the row itself for fp32, else widened into buf.
 template <typename scalar_t>
 inline const float* as_float(const scalar_t* row, float* buf, int64_t D) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     return row;
   } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    vec::bf16_to_float(reinterpret_cast<const uint16_t*>(row), buf, D);
+    widen_bf16(reinterpret_cast<const uint16_t*>(row), buf, D);
     return buf;
   } else {
     for (int64_t d = 0; d < D; ++d) buf[d] = static_cast<float>(row[d]);

@@ -1,0 +1,120 @@
+// CUDA paged_attention: checks the call and routes its rows to the two kernels.
+//
+//   decode rows (q_len == 1)   paged_attention_decode.cu   CUDA cores, GQA-aware, split-K
+//   prefill rows (q_len > 1)   paged_attention_prefill.cu  tiled flash attention, tensor cores
+//
+// Which rows are which lives in cu_seqlens_q on the device; reading it on the host would sync
+// and break CUDA-graph capture. So both kernels are launched over the whole batch and each
+// skips the rows that are not its kind (a pure-decode batch costs the prefill kernel one launch
+// of programs that exit at once). Shapes the tiled kernel does not cover (fp32, head sizes
+// other than 64/128) run every row through the decode kernel, one row per program.
+//
+// Values are trusted, as in any kernel that must not sync: cu_seqlens_q non-decreasing from 0,
+// q_len <= seq_len <= max_blocks * block_size, block ids inside the cache (the CPU kernel
+// checks these; here a bad value reads the wrong rows).
+#include <c10/cuda/CUDAStream.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cmath>
+
+#include "cuda/attention_common.cuh"
+#include "cuda/cuda_ops.h"
+
+namespace compilelm::cuda {
+namespace {
+
+void check_index(const at::Tensor& t, const char* name, int64_t dim, const at::Tensor& query) {
+  TORCH_CHECK(t.device() == query.device(), name, " must be on ", query.device(), ", got ", t.device());
+  TORCH_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dims, got ", t.sizes());
+}
+
+void check_cache(const at::Tensor& cache, const char* name, const at::Tensor& query) {
+  TORCH_CHECK(cache.device() == query.device(), name, " must be on ", query.device(), ", got ", cache.device());
+  TORCH_CHECK(cache.dim() == 4, name, " must be [num_blocks, block_size, num_kv_heads, head_size], got ",
+              cache.sizes());
+  TORCH_CHECK(cache.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(cache.scalar_type() == query.scalar_type(), name, " dtype ", cache.scalar_type(),
+              " must match the query dtype ", query.scalar_type());
+  TORCH_CHECK(cache.size(3) == query.size(2), name, " head_size ", cache.size(3),
+              " must match the query head_size ", query.size(2));
+}
+
+}  // namespace
+
+at::Tensor paged_attention(
+    const at::Tensor& query,
+    const at::Tensor& key_cache,
+    const at::Tensor& value_cache,
+    const at::Tensor& cu_seqlens_q,
+    const at::Tensor& seq_lens,
+    const at::Tensor& block_tables,
+    double scale) {
+  TORCH_CHECK(query.is_cuda(), "query must be a CUDA tensor, got ", query.device());
+  TORCH_CHECK(query.dim() == 3, "query must be [num_tokens, num_heads, head_size], got ", query.sizes());
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "query must be float32, bfloat16 or float16, got ", dtype);
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "query must be contiguous within a token (strides ", query.strides(), ")");
+  TORCH_CHECK(query.stride(0) * query.element_size() % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(query.const_data_ptr()) % 16 == 0,
+              "query rows must be 16-byte aligned (token stride ", query.stride(0), ")");
+  check_cache(key_cache, "key_cache", query);
+  check_cache(value_cache, "value_cache", query);
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key_cache ", key_cache.sizes(),
+              " and value_cache ", value_cache.sizes(), " must have the same shape");
+  const int64_t num_heads = query.size(1);
+  const int64_t num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads (", num_heads,
+              ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
+  check_index(cu_seqlens_q, "cu_seqlens_q", 1, query);
+  check_index(seq_lens, "seq_lens", 1, query);
+  check_index(block_tables, "block_tables", 2, query);
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(cu_seqlens_q.size(0) == num_seqs + 1, "cu_seqlens_q must be [num_seqs + 1] = [",
+              num_seqs + 1, "], got ", cu_seqlens_q.sizes());
+  TORCH_CHECK(block_tables.size(0) == num_seqs, "block_tables must have num_seqs = ", num_seqs,
+              " rows, got ", block_tables.sizes());
+  TORCH_CHECK(query.numel() < (int64_t{1} << 31) && key_cache.size(0) * key_cache.size(1) < (int64_t{1} << 31),
+              "paged_attention on CUDA indexes tokens and cache slots with 32-bit ints");
+
+  const c10::cuda::CUDAGuard device_guard(query.device());
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  if (query.size(0) == 0) return out;
+  if (num_seqs == 0) return out.zero_();  // every row is padding
+
+  const auto cu = cu_seqlens_q.contiguous();
+  const auto lens = seq_lens.contiguous();
+  const auto tables = block_tables.contiguous();
+  AttentionParams p{};
+  p.query = query.const_data_ptr();
+  p.key_cache = key_cache.const_data_ptr();
+  p.value_cache = value_cache.const_data_ptr();
+  p.out = out.mutable_data_ptr();
+  p.cu_seqlens_q = cu.const_data_ptr<int32_t>();
+  p.seq_lens = lens.const_data_ptr<int32_t>();
+  p.block_tables = tables.const_data_ptr<int32_t>();
+  p.q_stride = query.stride(0);
+  p.num_seqs = static_cast<int>(num_seqs);
+  p.num_tokens = static_cast<int>(query.size(0));
+  p.num_heads = static_cast<int>(num_heads);
+  p.num_kv_heads = static_cast<int>(num_kv_heads);
+  p.group = static_cast<int>(num_heads / num_kv_heads);
+  p.head_size = static_cast<int>(query.size(2));
+  p.block_size = static_cast<int>(key_cache.size(1));
+  p.max_blocks = static_cast<int>(tables.size(1));
+  p.scale_log2 = static_cast<float>(scale) * kLog2e;
+
+  const int64_t max_context = tables.size(1) * key_cache.size(1);
+  if (prefill_supported(dtype, p.head_size, p.group)) {
+    launch_paged_attention_decode(p, query, /*all_rows=*/false, max_context);
+    launch_paged_attention_prefill(p, query);
+  } else {
+    launch_paged_attention_decode(p, query, /*all_rows=*/true, max_context);
+  }
+  return out;
+}
+
+}  // namespace compilelm::cuda

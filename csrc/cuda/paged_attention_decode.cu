@@ -1,0 +1,361 @@
+// Paged attention for single query rows (decode): CUDA cores, GQA-aware, split-K.
+//
+// A program = (query row, kv head, split). It holds the query vectors of up to GP heads of the
+// kv head's group in registers and streams the split's key/value rows once: every 16-byte load
+// of a key or value row serves all GP heads. Inside a program, key rows are spread over "row
+// groups" of kLanes lanes (one row = kLanes x 16-byte loads), each with its own online softmax;
+// a row group keeps kUnroll rows' loads in flight before using them. The row groups' states are
+// merged through shared memory at the end.
+//
+// Split-K (flash-decoding): with few programs per SM (small batch, long context) the context
+// of each row is cut into num_splits equal chunks; each split writes its normalized partial
+// output and log2-sum-exp to a workspace, and a second kernel merges them. num_splits comes
+// from shapes only (never from seq_lens values), so the launch is CUDA-graph capturable.
+#include <c10/cuda/CUDAStream.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "cuda/attention_common.cuh"
+
+namespace compilelm::cuda {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kMaxSplits = 64;
+constexpr int kMinKeysPerSplit = 128;  // below this a split's fixed cost outweighs its keys
+
+struct SplitParams {
+  bool all_rows;    // program x = query row (all rows) or sequence (its q_len == 1 row only)
+  int num_splits;
+  float* partial_out;  // [rows, num_heads, num_splits, head_size] when num_splits > 1
+  float* partial_lse;  // [rows, num_heads, num_splits], log2 of the softmax denominator
+};
+
+// The query row of program x: false if it has none (not a decode row, or a padding row).
+__device__ __forceinline__ bool locate_row(const AttentionParams& p, bool all_rows, int x,
+                                           int& token, int& seq, int& num_keys) {
+  if (!all_rows) {
+    seq = x;
+    token = p.cu_seqlens_q[seq];
+    if (p.cu_seqlens_q[seq + 1] - token != 1) return false;
+    num_keys = p.seq_lens[seq];
+    return true;
+  }
+  token = x;
+  if (token >= p.cu_seqlens_q[p.num_seqs]) return false;
+  seq = find_seq(p.cu_seqlens_q, p.num_seqs, token);
+  const int q_len = p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq];
+  num_keys = p.seq_lens[seq] - q_len + (token - p.cu_seqlens_q[seq]) + 1;  // position + 1
+  return true;
+}
+
+__device__ __forceinline__ uint4 load_stream(const void* ptr) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr));
+  return v;
+}
+
+template <typename T, int D, int GP>
+struct DecodeTile {
+  static constexpr int kVec = 16 / sizeof(T);                     // elements per 16-byte load
+  static constexpr int kLanes = D / kVec < 32 ? D / kVec : 32;    // lanes per key row
+  static constexpr int kLoads = D / (kVec * kLanes);              // 16-byte loads per lane per row
+  static constexpr int kGroups = kWarps * (32 / kLanes);          // row groups per program
+  static constexpr int kUnroll = GP >= 8 ? 2 : 4;                 // rows in flight per row group
+  static_assert(D % (kVec * kLanes) == 0 && 32 % kLanes == 0, "unsupported head_size");
+};
+
+template <typename T, int D, int GP>
+__global__ void __launch_bounds__(kWarps * 32)
+    paged_attention_decode_kernel(const AttentionParams p, const SplitParams s) {
+  using Tile = DecodeTile<T, D, GP>;
+  constexpr int kVec = Tile::kVec, kLanes = Tile::kLanes, kLoads = Tile::kLoads;
+  constexpr int kGroups = Tile::kGroups, kUnroll = Tile::kUnroll;
+  __shared__ float s_acc[kGroups][GP][D];
+  __shared__ float s_m[kGroups][GP], s_l[kGroups][GP];
+
+  const int lane = threadIdx.x % 32;
+  const int lane_in_row = lane % kLanes;
+  const int row_group = threadIdx.x / kLanes;
+  const int chunks = gridDim.y / p.num_kv_heads;  // head chunks of GP heads per kv head
+  const int kv_head = blockIdx.y / chunks;
+  const int head0 = kv_head * p.group + (blockIdx.y % chunks) * GP;
+  const int num_q = min(GP, kv_head * p.group + p.group - head0);  // heads of this program
+  const int split = blockIdx.z;
+
+  int token, seq, num_keys;
+  if (!locate_row(p, s.all_rows, blockIdx.x, token, seq, num_keys)) {
+    if (s.all_rows && s.num_splits == 1 && split == 0 && blockIdx.x < p.num_tokens) {
+      zero_rows<T>(p, blockIdx.x, 1, head0, num_q);  // padding row
+    }
+    return;
+  }
+  const int chunk = (num_keys + s.num_splits - 1) / s.num_splits;
+  const int begin = split * chunk;
+  const int end = min(num_keys, begin + chunk);
+
+  // q[g][l][e]: element (l * kLanes + lane_in_row) * kVec + e of head head0 + g, times scale*log2e
+  float q[GP][kLoads][kVec];
+  const T* query = static_cast<const T*>(p.query) + token * p.q_stride;
+#pragma unroll
+  for (int g = 0; g < GP; ++g) {
+#pragma unroll
+    for (int l = 0; l < kLoads; ++l) {
+      uint4 raw = make_uint4(0, 0, 0, 0);
+      if (g < num_q) {
+        raw = *reinterpret_cast<const uint4*>(query + (head0 + g) * D + (l * kLanes + lane_in_row) * kVec);
+      }
+      widen<T>(raw, q[g][l]);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) q[g][l][e] *= p.scale_log2;
+    }
+  }
+
+  float m[GP], l_sum[GP], acc[GP][kLoads][kVec];
+#pragma unroll
+  for (int g = 0; g < GP; ++g) {
+    m[g] = -INFINITY;
+    l_sum[g] = 0.f;
+#pragma unroll
+    for (int l = 0; l < kLoads; ++l)
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[g][l][e] = 0.f;
+  }
+
+  const int32_t* block_table = p.block_tables + static_cast<int64_t>(seq) * p.max_blocks;
+  const int64_t slot_stride = static_cast<int64_t>(p.num_kv_heads) * D;  // elements per cache slot
+  const T* k_base = static_cast<const T*>(p.key_cache) + kv_head * D + lane_in_row * kVec;
+  const T* v_base = static_cast<const T*>(p.value_cache) + kv_head * D + lane_in_row * kVec;
+
+  for (int base = begin; base < end; base += kGroups * kUnroll) {
+    uint4 k_raw[kUnroll][kLoads], v_raw[kUnroll][kLoads];
+    bool valid[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int key = base + u * kGroups + row_group;
+      valid[u] = key < end;
+      int64_t offset = 0;
+      if (valid[u]) {
+        offset = (static_cast<int64_t>(block_table[key / p.block_size]) * p.block_size +
+                  key % p.block_size) * slot_stride;
+      }
+#pragma unroll
+      for (int l = 0; l < kLoads; ++l) {
+        k_raw[u][l] = valid[u] ? load_stream(k_base + offset + l * kLanes * kVec) : make_uint4(0, 0, 0, 0);
+        v_raw[u][l] = valid[u] ? load_stream(v_base + offset + l * kLanes * kVec) : make_uint4(0, 0, 0, 0);
+      }
+    }
+
+    // scores[u][g] = q_g . k_u (log2 units); the row group's lanes all-reduce their partial dots
+    float scores[kUnroll][GP];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int g = 0; g < GP; ++g) scores[u][g] = 0.f;
+#pragma unroll
+      for (int l = 0; l < kLoads; ++l) {
+        float k[kVec];
+        widen<T>(k_raw[u][l], k);
+#pragma unroll
+        for (int g = 0; g < GP; ++g)
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) scores[u][g] += q[g][l][e] * k[e];
+      }
+#pragma unroll
+      for (int g = 0; g < GP; ++g) {
+#pragma unroll
+        for (int offset = kLanes / 2; offset > 0; offset /= 2) {
+          scores[u][g] += __shfl_xor_sync(0xffffffffu, scores[u][g], offset);
+        }
+        if (!valid[u]) scores[u][g] = -INFINITY;
+      }
+    }
+
+    // online softmax: rescale what was accumulated under the old max, add p @ v
+#pragma unroll
+    for (int g = 0; g < GP; ++g) {
+      float m_new = m[g];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) m_new = fmaxf(m_new, scores[u][g]);
+      const float m_safe = m_new == -INFINITY ? 0.f : m_new;  // no key yet: keep p = 0, no NaN
+      const float correction = exp2f(m[g] - m_safe);
+      m[g] = m_new;
+      l_sum[g] *= correction;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        scores[u][g] = exp2f(scores[u][g] - m_safe);
+        l_sum[g] += scores[u][g];
+      }
+#pragma unroll
+      for (int l = 0; l < kLoads; ++l)
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc[g][l][e] *= correction;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int l = 0; l < kLoads; ++l) {
+        float v[kVec];
+        widen<T>(v_raw[u][l], v);
+#pragma unroll
+        for (int g = 0; g < GP; ++g)
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) acc[g][l][e] += scores[u][g] * v[e];
+      }
+    }
+  }
+
+  // Merge the row groups' softmax states.
+#pragma unroll
+  for (int g = 0; g < GP; ++g) {
+#pragma unroll
+    for (int l = 0; l < kLoads; ++l)
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) s_acc[row_group][g][(l * kLanes + lane_in_row) * kVec + e] = acc[g][l][e];
+    if (lane_in_row == 0) {
+      s_m[row_group][g] = m[g];
+      s_l[row_group][g] = l_sum[g];
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < num_q * D; i += blockDim.x) {
+    const int g = i / D, d = i % D;
+    float m_max = -INFINITY;
+#pragma unroll
+    for (int r = 0; r < kGroups; ++r) m_max = fmaxf(m_max, s_m[r][g]);
+    float denom = 0.f, numer = 0.f;
+    if (m_max != -INFINITY) {
+#pragma unroll
+      for (int r = 0; r < kGroups; ++r) {
+        const float w = exp2f(s_m[r][g] - m_max);
+        denom += w * s_l[r][g];
+        numer += w * s_acc[r][g][d];
+      }
+    }
+    const float o = denom > 0.f ? numer / denom : 0.f;  // an empty split contributes nothing
+    const int head = head0 + g;
+    if (s.num_splits == 1) {
+      static_cast<T*>(p.out)[(static_cast<int64_t>(token) * p.num_heads + head) * D + d] = from_float<T>(o);
+    } else {
+      const int64_t partial = (static_cast<int64_t>(blockIdx.x) * p.num_heads + head) * s.num_splits + split;
+      s.partial_out[partial * D + d] = o;
+      if (d == 0) s.partial_lse[partial] = denom > 0.f ? m_max + log2f(denom) : -INFINITY;
+    }
+  }
+}
+
+// Merges the splits of program row x, head y: out = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max).
+template <typename T>
+__global__ void __launch_bounds__(128)
+    paged_attention_reduce_kernel(const AttentionParams p, const SplitParams s) {
+  __shared__ float s_weight[kMaxSplits];
+  const int head = blockIdx.y;
+  int token, seq, num_keys;
+  if (!locate_row(p, s.all_rows, blockIdx.x, token, seq, num_keys)) {
+    if (s.all_rows && blockIdx.x < p.num_tokens) zero_rows<T>(p, blockIdx.x, 1, head, 1);  // padding
+    return;
+  }
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * p.num_heads + head) * s.num_splits;
+  float lse_max = -INFINITY;
+  for (int i = 0; i < s.num_splits; ++i) lse_max = fmaxf(lse_max, s.partial_lse[first + i]);
+  for (int i = threadIdx.x; i < s.num_splits; i += blockDim.x) {
+    s_weight[i] = lse_max == -INFINITY ? 0.f : exp2f(s.partial_lse[first + i] - lse_max);
+  }
+  __syncthreads();
+  float total = 0.f;
+  for (int i = 0; i < s.num_splits; ++i) total += s_weight[i];
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  for (int d = threadIdx.x; d < p.head_size; d += blockDim.x) {
+    float o = 0.f;
+    for (int i = 0; i < s.num_splits; ++i) o += s_weight[i] * s.partial_out[(first + i) * p.head_size + d];
+    static_cast<T*>(p.out)[(static_cast<int64_t>(token) * p.num_heads + head) * p.head_size + d] =
+        from_float<T>(o * inv);
+  }
+}
+
+// Smallest split count that fills the machine about as well as any: efficiency(s) = programs*s
+// over the slots of the ceil(programs*s / capacity) waves they occupy (rows of equal length).
+int choose_num_splits(int64_t programs, int64_t capacity, int64_t max_context) {
+  const int64_t limit = std::clamp<int64_t>((max_context + kMinKeysPerSplit - 1) / kMinKeysPerSplit, 1, kMaxSplits);
+  const auto efficiency = [&](int64_t splits) {
+    const int64_t work = programs * splits;
+    return static_cast<double>(work) / static_cast<double>((work + capacity - 1) / capacity * capacity);
+  };
+  double best = 0.0;
+  for (int64_t s = 1; s <= limit; ++s) best = std::max(best, efficiency(s));
+  for (int64_t s = 1; s <= limit; ++s) {
+    if (efficiency(s) >= 0.9 * best) return static_cast<int>(s);
+  }
+  return 1;
+}
+
+template <typename T, int D, int GP>
+void launch(const AttentionParams& p, const at::Tensor& query, bool all_rows, int64_t max_context) {
+  const auto kernel = paged_attention_decode_kernel<T, D, GP>;
+  static const int64_t capacity = [&] {  // resident programs on the whole GPU
+    int per_sm = 0, sms = 0, device = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, 0));
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    return static_cast<int64_t>(std::max(per_sm, 1)) * sms;
+  }();
+  const int rows = all_rows ? p.num_tokens : p.num_seqs;
+  const int chunks = (p.group + GP - 1) / GP;
+  const int splits = choose_num_splits(static_cast<int64_t>(rows) * p.num_kv_heads * chunks, capacity, max_context);
+
+  SplitParams s{all_rows, splits, nullptr, nullptr};
+  at::Tensor partial_out, partial_lse;
+  if (splits > 1) {  // workspace from torch's caching allocator: stream-ordered, capture-safe
+    const auto options = query.options().dtype(at::kFloat);
+    partial_out = at::empty({rows, p.num_heads, splits, p.head_size}, options);
+    partial_lse = at::empty({rows, p.num_heads, splits}, options);
+    s.partial_out = partial_out.mutable_data_ptr<float>();
+    s.partial_lse = partial_lse.mutable_data_ptr<float>();
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  kernel<<<dim3(rows, p.num_kv_heads * chunks, splits), kWarps * 32, 0, stream>>>(p, s);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (splits > 1) {
+    paged_attention_reduce_kernel<T><<<dim3(rows, p.num_heads), 128, 0, stream>>>(p, s);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+template <typename T, int D>
+void dispatch_group(const AttentionParams& p, const at::Tensor& query, bool all_rows, int64_t max_context) {
+  // GP query heads per program: the whole group when it has <= 8 heads (rounded up to a power
+  // of two, the extra heads masked), else chunks of 8 (each chunk re-reads the kv head).
+  if (p.group == 1) return launch<T, D, 1>(p, query, all_rows, max_context);
+  if (p.group == 2) return launch<T, D, 2>(p, query, all_rows, max_context);
+  if (p.group <= 4) return launch<T, D, 4>(p, query, all_rows, max_context);
+  return launch<T, D, 8>(p, query, all_rows, max_context);
+}
+
+template <typename T>
+void dispatch_head_size(const AttentionParams& p, const at::Tensor& query, bool all_rows, int64_t max_context) {
+  switch (p.head_size) {
+    case 64: return dispatch_group<T, 64>(p, query, all_rows, max_context);
+    case 128: return dispatch_group<T, 128>(p, query, all_rows, max_context);
+    case 256: return dispatch_group<T, 256>(p, query, all_rows, max_context);
+    default: TORCH_CHECK(false, "paged_attention on CUDA supports head_size 64, 128 and 256, got ", p.head_size);
+  }
+}
+
+}  // namespace
+
+void launch_paged_attention_decode(const AttentionParams& p, const at::Tensor& query, bool all_rows,
+                                   int64_t max_context) {
+  switch (query.scalar_type()) {
+    case at::kBFloat16: return dispatch_head_size<__nv_bfloat16>(p, query, all_rows, max_context);
+    case at::kHalf: return dispatch_head_size<__half>(p, query, all_rows, max_context);
+    case at::kFloat: return dispatch_head_size<float>(p, query, all_rows, max_context);
+    default: TORCH_CHECK(false, "paged_attention: unsupported dtype ", query.scalar_type());
+  }
+}
+
+}  // namespace compilelm::cuda
