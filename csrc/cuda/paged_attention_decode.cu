@@ -82,16 +82,19 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int lane = threadIdx.x % 32;
   const int lane_in_row = lane % kLanes;
   const int row_group = threadIdx.x / kLanes;
-  const int chunks = gridDim.y / p.num_kv_heads;  // head chunks of GP heads per kv head
-  const int kv_head = blockIdx.y / chunks;
-  const int head0 = kv_head * p.group + (blockIdx.y % chunks) * GP;
+  // program x = (row, kv head, head chunk), kv heads fastest: programs running side by side
+  // read neighbouring heads of the same cache slots
+  const int chunks = (p.group + GP - 1) / GP;  // chunks of GP heads per kv head
+  const int row = blockIdx.x / (p.num_kv_heads * chunks);
+  const int kv_head = blockIdx.x % (p.num_kv_heads * chunks) / chunks;
+  const int head0 = kv_head * p.group + blockIdx.x % chunks * GP;
   const int num_q = min(GP, kv_head * p.group + p.group - head0);  // heads of this program
-  const int split = blockIdx.z;
+  const int split = blockIdx.y;
 
   int token, seq, num_keys;
-  if (!locate_row(p, s.all_rows, blockIdx.x, token, seq, num_keys)) {
-    if (s.all_rows && s.num_splits == 1 && split == 0 && blockIdx.x < p.num_tokens) {
-      zero_rows<T>(p, blockIdx.x, 1, head0, num_q);  // padding row
+  if (!locate_row(p, s.all_rows, row, token, seq, num_keys)) {
+    if (s.all_rows && s.num_splits == 1 && row < p.num_tokens) {
+      zero_rows<T>(p, row, 1, head0, num_q);  // padding row
     }
     return;
   }
@@ -132,24 +135,41 @@ __global__ void __launch_bounds__(kWarps * 32)
   const T* k_base = static_cast<const T*>(p.key_cache) + kv_head * D + lane_in_row * kVec;
   const T* v_base = static_cast<const T*>(p.value_cache) + kv_head * D + lane_in_row * kVec;
 
-  for (int base = begin; base < end; base += kGroups * kUnroll) {
+  // key rows base + u * kGroups + row_group (u < kUnroll) of one step; the next step's loads
+  // are issued before this step's math, so every warp always has loads in flight
+  constexpr int kStep = kGroups * kUnroll;
+  uint4 k_next[kUnroll][kLoads], v_next[kUnroll][kLoads];
+  const auto load = [&](int base) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int key = base + u * kGroups + row_group;
+      const bool valid = key < end;
+      int64_t offset = 0;
+      if (valid) {
+        offset = (static_cast<int64_t>(block_table[key / p.block_size]) * p.block_size + key % p.block_size) *
+                 slot_stride;
+      }
+#pragma unroll
+      for (int l = 0; l < kLoads; ++l) {
+        k_next[u][l] = valid ? load_stream(k_base + offset + l * kLanes * kVec) : make_uint4(0, 0, 0, 0);
+        v_next[u][l] = valid ? load_stream(v_base + offset + l * kLanes * kVec) : make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+  if (begin < end) load(begin);
+  for (int base = begin; base < end; base += kStep) {
     uint4 k_raw[kUnroll][kLoads], v_raw[kUnroll][kLoads];
     bool valid[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int key = base + u * kGroups + row_group;
-      valid[u] = key < end;
-      int64_t offset = 0;
-      if (valid[u]) {
-        offset = (static_cast<int64_t>(block_table[key / p.block_size]) * p.block_size +
-                  key % p.block_size) * slot_stride;
-      }
+      valid[u] = base + u * kGroups + row_group < end;
 #pragma unroll
       for (int l = 0; l < kLoads; ++l) {
-        k_raw[u][l] = valid[u] ? load_stream(k_base + offset + l * kLanes * kVec) : make_uint4(0, 0, 0, 0);
-        v_raw[u][l] = valid[u] ? load_stream(v_base + offset + l * kLanes * kVec) : make_uint4(0, 0, 0, 0);
+        k_raw[u][l] = k_next[u][l];
+        v_raw[u][l] = v_next[u][l];
       }
     }
+    if (base + kStep < end) load(base + kStep);
 
     // scores[u][g] = q_g . k_u (log2 units); the row group's lanes all-reduce their partial dots
     float scores[kUnroll][GP];
@@ -242,7 +262,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     if (s.num_splits == 1) {
       static_cast<T*>(p.out)[(static_cast<int64_t>(token) * p.num_heads + head) * D + d] = from_float<T>(o);
     } else {
-      const int64_t partial = (static_cast<int64_t>(blockIdx.x) * p.num_heads + head) * s.num_splits + split;
+      const int64_t partial = (static_cast<int64_t>(row) * p.num_heads + head) * s.num_splits + split;
       s.partial_out[partial * D + d] = o;
       if (d == 0) s.partial_lse[partial] = denom > 0.f ? m_max + log2f(denom) : -INFINITY;
     }
@@ -254,13 +274,13 @@ template <typename T>
 __global__ void __launch_bounds__(128)
     paged_attention_reduce_kernel(const AttentionParams p, const SplitParams s) {
   __shared__ float s_weight[kMaxSplits];
-  const int head = blockIdx.y;
+  const int row = blockIdx.x / p.num_heads, head = blockIdx.x % p.num_heads;
   int token, seq, num_keys;
-  if (!locate_row(p, s.all_rows, blockIdx.x, token, seq, num_keys)) {
-    if (s.all_rows && blockIdx.x < p.num_tokens) zero_rows<T>(p, blockIdx.x, 1, head, 1);  // padding
+  if (!locate_row(p, s.all_rows, row, token, seq, num_keys)) {
+    if (s.all_rows && row < p.num_tokens) zero_rows<T>(p, row, 1, head, 1);  // padding
     return;
   }
-  const int64_t first = (static_cast<int64_t>(blockIdx.x) * p.num_heads + head) * s.num_splits;
+  const int64_t first = (static_cast<int64_t>(row) * p.num_heads + head) * s.num_splits;
   float lse_max = -INFINITY;
   for (int i = 0; i < s.num_splits; ++i) lse_max = fmaxf(lse_max, s.partial_lse[first + i]);
   for (int i = threadIdx.x; i < s.num_splits; i += blockDim.x) {
@@ -318,10 +338,10 @@ void launch(const AttentionParams& p, const at::Tensor& query, bool all_rows, in
     s.partial_lse = partial_lse.mutable_data_ptr<float>();
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  kernel<<<dim3(rows, p.num_kv_heads * chunks, splits), kWarps * 32, 0, stream>>>(p, s);
+  kernel<<<dim3(rows * p.num_kv_heads * chunks, splits), kWarps * 32, 0, stream>>>(p, s);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (splits > 1) {
-    paged_attention_reduce_kernel<T><<<dim3(rows, p.num_heads), 128, 0, stream>>>(p, s);
+    paged_attention_reduce_kernel<T><<<rows * p.num_heads, 128, 0, stream>>>(p, s);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
