@@ -112,13 +112,20 @@ def main() -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     p.add_argument("--tokens", type=int, default=32, help="new tokens per request")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's); 1 gives stable numbers on a busy machine")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "bench_compile.json"))
     p.add_argument("--child-compile", nargs=2, metavar=("MODEL", "CACHE_DIR"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.threads:  # before torch starts its thread pools; inherited by the compile subprocesses
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
     if args.child_compile:
         return child_compile(*args.child_compile)
 
     import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     result = {"model": args.model, "torch": torch.__version__, "threads": torch.get_num_threads(),
               "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()[0]}

@@ -43,6 +43,7 @@ class CompilelmBackend:
         self.dry_run = True
         self.recipe: list | None = None
         self.graph_fn = None
+        self.runners: dict[str, PieceRunner] = {}  # call site -> runner
         self.manifest: dict = {}
         self.pieces: list[dict] = []  # per call site, for the report
         self.times = {"dynamo": 0.0, "aot": 0.0, "whole_graph_passes": 0.0, "split": 0.0,
@@ -83,6 +84,7 @@ class CompilelmBackend:
         top, pieces = split_graph(gm, self.config.splitting_ops)
         self.times["split"] += time.perf_counter() - t
         runners, table = self._compile_pieces(pieces)
+        self.runners = runners
         src, ops = graph_code(top)
         self.graph_fn = build_graph(src, ops, {name: r.entry for name, r in runners.items()})
         self.n_outputs = len(next(n for n in reversed(top.graph.nodes) if n.op == "output").args[0])

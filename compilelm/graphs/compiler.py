@@ -63,6 +63,8 @@ class CompiledModel:
         self.inductor_counters: dict[str, int] = {}
         self.depyf_error: str | None = None
         self.forward: Callable | None = None
+        self.graph_fn: Callable | None = None  # the stitched graph (its globals hold the pieces)
+        self.runners: dict[str, PieceRunner] = {}  # call site ("submod_2") -> its compiled piece
 
     def compile(self) -> Callable:
         t0 = time.perf_counter()
@@ -94,9 +96,10 @@ class CompiledModel:
             static = {int(tag): a for tag, a in loaded.items() if tag != "dyn"}
             runners[key] = PieceRunner(key, key, loaded["dyn"], static, entry["token_arg"])
         compile_counters.artifacts_loaded += sum(len(e["files"]) for e in manifest["pieces"].values())
-        sites = {site: runners[key].entry for site, key in manifest["call_sites"].items()}
-        graph_fn = build_graph(manifest["graph_code"], manifest["ops"], sites)
-        fn = entry_function(graph_fn, manifest["inputs"], self.arg_names, self.model)
+        self.runners = {site: runners[key] for site, key in manifest["call_sites"].items()}
+        self.graph_fn = build_graph(manifest["graph_code"], manifest["ops"],
+                                    {site: r.entry for site, r in self.runners.items()})
+        fn = entry_function(self.graph_fn, manifest["inputs"], self.arg_names, self.model)
         compile_counters.cache_hits += 1
         compile_counters.dynamo_free_starts += 1
         self.mode = "warm"
@@ -126,12 +129,20 @@ class CompiledModel:
         self.cache.save_manifest(manifest)
         self.manifest = manifest
         self.times.update(backend.times)
+        self.graph_fn, self.runners = backend.graph_fn, backend.runners
         if direct:
             self.mode = "cold"
             _reset_dynamo(code)
             return entry_function(backend.graph_fn, backend.recipe, self.arg_names, self.model)
         self.mode = "cold (dynamo runtime)"
         return dynamo_fn
+
+    def wrap_pieces(self, wrap: Callable[[str, PieceRunner], Callable]) -> None:
+        """Route each piece call site through `wrap(site, runner)`: the hook for piecewise CUDA
+        graphs, captured per call site (each layer feeds its own weights) and per padded batch
+        size. Nothing wraps pieces on CPU."""
+        for site, runner in self.runners.items():
+            self.graph_fn.__globals__[f"piece_{site}"] = wrap(site, runner)
 
     def _decompile_bytecode(self, code) -> None:
         """depyf's decompilation of the bytecode Dynamo generated for forward, into the dump."""

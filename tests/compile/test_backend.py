@@ -80,3 +80,43 @@ def test_two_models_of_one_class_in_one_process(make_config):
     with torch.no_grad():
         torch.testing.assert_close(fa(ids, pos), a(ids, pos), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(fb(ids, pos), b(ids, pos), rtol=1e-5, atol=1e-5)
+
+
+def test_no_splitting_ops_compiles_one_piece(make_config):
+    """splitting_ops=[] keeps the whole forward in one piece (what a full CUDA graph needs)."""
+    model = ToyModel(num_layers=2)
+    cm = CompiledModel(model, make_config(splitting_ops=()), {"toy": "whole"})
+    fn = cm.compile()
+    assert cm.counters["pieces"] == 1 and cm.counters["inductor_compiles"] == 1
+    with torch.no_grad():
+        ids, pos = inputs(6)
+        torch.testing.assert_close(fn(ids, pos), model(ids, pos), rtol=1e-5, atol=1e-5)
+
+
+def test_wrap_pieces_hook(make_config):
+    """Every piece call goes through the wrapper (the CUDA-graph hook), one per call site."""
+    model = ToyModel(num_layers=3)
+    cm = CompiledModel(model, make_config(), {"toy": "wrap"})
+    fn = cm.compile()
+    calls = []
+
+    def wrap(site, runner):
+        def call(*args):
+            calls.append(site)
+            return runner(*args)
+        return call
+
+    cm.wrap_pieces(wrap)
+    with torch.no_grad():
+        ids, pos = inputs(5)
+        torch.testing.assert_close(fn(ids, pos), model(ids, pos), rtol=1e-5, atol=1e-5)
+    assert calls == ["submod_0", "submod_2", "submod_4", "submod_6"]
+
+
+def test_use_cache_false_writes_nothing(make_config, tmp_path):
+    model = ToyModel(num_layers=1)
+    for _ in range(2):
+        cm = CompiledModel(model, make_config(use_cache=False), {"toy": "nocache"})
+        cm.compile()
+        assert cm.mode == "cold" and cm.counters["cache_hits"] == 0
+    assert not (tmp_path / "cache").exists()
