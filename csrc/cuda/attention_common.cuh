@@ -1,40 +1,16 @@
-// Shared by the paged-attention kernels (paged_attention_decode.cu, paged_attention_prefill.cu):
-// the launch parameters, element conversions and the query-row -> sequence lookup.
+// Device helpers shared by the paged-attention kernels (paged_attention_decode.cu,
+// paged_attention_prefill.cu): element conversions, query-row lookups, zeroing padding rows,
+// merging split-K partials.
 #pragma once
 
-#include <ATen/core/Tensor.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
 
+#include "cuda/launchers.h"
+
 namespace compilelm::cuda {
-
-// One paged_attention call. Layouts as in csrc/ops.cpp; all index tensors contiguous int32.
-struct AttentionParams {
-  const void* query;            // [num_tokens, num_heads, head_size], token stride q_stride
-  const void* key_cache;        // [num_blocks, block_size, num_kv_heads, head_size]
-  const void* value_cache;      // [num_blocks, block_size, num_kv_heads, head_size]
-  void* out;                    // [num_tokens, num_heads, head_size], contiguous
-  const int32_t* cu_seqlens_q;  // [num_seqs + 1]
-  const int32_t* seq_lens;      // [num_seqs]
-  const int32_t* block_tables;  // [num_seqs, max_blocks]
-  int64_t q_stride;
-  int num_seqs, num_tokens, num_heads, num_kv_heads, group, head_size, block_size, max_blocks;
-  float scale_log2;  // softmax scale * log2(e): scores are exponentiated with exp2
-};
-
-// Launchers (host side, on the current stream; `query` gives dtype and device). The decode
-// launcher serves the q_len == 1 rows of every sequence, or, with all_rows, every query row
-// (the fallback for shapes the tiled kernel does not cover; then it also zeroes padding rows).
-// max_context bounds seq_lens (block_tables.size(1) * block_size): it sizes the split-K.
-// The prefill launcher serves the q_len > 1 rows and zeroes the padding rows.
-void launch_paged_attention_decode(const AttentionParams& p, const at::Tensor& query, bool all_rows,
-                                   int64_t max_context);
-bool prefill_supported(at::ScalarType dtype, int head_size, int group);
-void launch_paged_attention_prefill(const AttentionParams& p, const at::Tensor& query);
-
-constexpr float kLog2e = 1.4426950408889634f;
 
 template <typename T>
 __device__ __forceinline__ float to_float(T x);
@@ -85,6 +61,56 @@ __device__ void zero_rows(const AttentionParams& p, int row_begin, int num_rows,
     T* dst = static_cast<T*>(p.out) + (row * p.num_heads + head_begin) * p.head_size;
     reinterpret_cast<uint4*>(dst)[i % row_vecs] = make_uint4(0, 0, 0, 0);
   }
+}
+
+constexpr int kMaxSplits = 64;  // split-K partitions of one row's context, at most
+
+// The query row served by decode-kernel row x (a sequence, or with all_rows a query row):
+// false if there is none (not a decode row, or a padding row).
+__device__ __forceinline__ bool locate_row(const AttentionParams& p, bool all_rows, int x, int& token, int& seq,
+                                           int& num_keys) {
+  if (!all_rows) {
+    seq = x;
+    token = p.cu_seqlens_q[seq];
+    if (p.cu_seqlens_q[seq + 1] - token != 1) return false;
+    num_keys = p.seq_lens[seq];
+    return true;
+  }
+  token = x;
+  if (token >= p.cu_seqlens_q[p.num_seqs]) return false;
+  seq = find_seq(p.cu_seqlens_q, p.num_seqs, token);
+  const int q_len = p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq];
+  num_keys = p.seq_lens[seq] - q_len + (token - p.cu_seqlens_q[seq]) + 1;  // position + 1
+  return true;
+}
+
+// Merges the splits of decode row x, query head `head` into the output (all threads of the block
+// call it): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse). A padding row of
+// the all-rows fallback is zeroed. s_weight: shared scratch of kMaxSplits floats.
+template <typename T>
+__device__ void merge_splits(const AttentionParams& p, const SplitParams& s, int x, int head, float* s_weight) {
+  int token, seq, num_keys;
+  if (!locate_row(p, s.all_rows, x, token, seq, num_keys)) {
+    if (s.all_rows && x < p.num_tokens) zero_rows<T>(p, x, 1, head, 1);
+    return;
+  }
+  const int64_t first = (static_cast<int64_t>(x) * p.num_heads + head) * s.num_splits;
+  float lse_max = -INFINITY;
+  for (int i = 0; i < s.num_splits; ++i) lse_max = fmaxf(lse_max, s.partial_lse[first + i]);
+  for (int i = threadIdx.x; i < s.num_splits; i += blockDim.x) {
+    s_weight[i] = lse_max == -INFINITY ? 0.f : exp2f(s.partial_lse[first + i] - lse_max);  // empty: 0
+  }
+  __syncthreads();
+  float total = 0.f;
+  for (int i = 0; i < s.num_splits; ++i) total += s_weight[i];
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  for (int d = threadIdx.x; d < p.head_size; d += blockDim.x) {
+    float o = 0.f;
+    for (int i = 0; i < s.num_splits; ++i) o += s_weight[i] * s.partial_out[(first + i) * p.head_size + d];
+    static_cast<T*>(p.out)[(static_cast<int64_t>(token) * p.num_heads + head) * p.head_size + d] =
+        from_float<T>(o * inv);
+  }
+  __syncthreads();  // s_weight is reused by the caller's next merge
 }
 
 }  // namespace compilelm::cuda

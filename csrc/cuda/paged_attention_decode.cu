@@ -4,16 +4,18 @@
 // kv head's group in registers and streams the split's key/value rows once: every 16-byte load
 // of a key or value row serves all GP heads. Inside a program, key rows are spread over "row
 // groups" of kLanes lanes (one row = kLanes x 16-byte loads), each with its own online softmax;
-// a row group keeps kUnroll rows' loads in flight before using them. The row groups' states are
+// a row group issues the loads of its next kUnroll rows before the math of the current ones.
+// The row groups' states are
 // merged through shared memory at the end.
 //
 // Split-K (flash-decoding): with few programs per SM (small batch, long context) the context
 // of each row is cut into num_splits equal chunks; each split writes its normalized partial
-// output and log2-sum-exp to a workspace, and a second kernel merges them. num_splits comes
-// from shapes only (never from seq_lens values), so the launch is CUDA-graph capturable.
-#include <c10/cuda/CUDAStream.h>
+// output and log2-sum-exp to a workspace; the prefill kernel, launched next, merges them (the
+// all-rows fallback launches a merge kernel). num_splits comes from shapes only (never from
+// seq_lens values), so the launch is CUDA-graph capturable.
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
 #include <cmath>
@@ -24,33 +26,7 @@ namespace compilelm::cuda {
 namespace {
 
 constexpr int kWarps = 4;
-constexpr int kMaxSplits = 64;
 constexpr int kMinKeysPerSplit = 128;  // below this a split's fixed cost outweighs its keys
-
-struct SplitParams {
-  bool all_rows;    // program x = query row (all rows) or sequence (its q_len == 1 row only)
-  int num_splits;
-  float* partial_out;  // [rows, num_heads, num_splits, head_size] when num_splits > 1
-  float* partial_lse;  // [rows, num_heads, num_splits], log2 of the softmax denominator
-};
-
-// The query row of program x: false if it has none (not a decode row, or a padding row).
-__device__ __forceinline__ bool locate_row(const AttentionParams& p, bool all_rows, int x,
-                                           int& token, int& seq, int& num_keys) {
-  if (!all_rows) {
-    seq = x;
-    token = p.cu_seqlens_q[seq];
-    if (p.cu_seqlens_q[seq + 1] - token != 1) return false;
-    num_keys = p.seq_lens[seq];
-    return true;
-  }
-  token = x;
-  if (token >= p.cu_seqlens_q[p.num_seqs]) return false;
-  seq = find_seq(p.cu_seqlens_q, p.num_seqs, token);
-  const int q_len = p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq];
-  num_keys = p.seq_lens[seq] - q_len + (token - p.cu_seqlens_q[seq]) + 1;  // position + 1
-  return true;
-}
 
 __device__ __forceinline__ uint4 load_stream(const void* ptr) {
   uint4 v;
@@ -269,38 +245,20 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-// Merges the splits of program row x, head y: out = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max).
+// Merges the splits of (row, head) = divmod(program, num_heads): the all-rows fallback has no
+// prefill kernel to do it.
 template <typename T>
 __global__ void __launch_bounds__(128)
-    paged_attention_reduce_kernel(const AttentionParams p, const SplitParams s) {
+    paged_attention_merge_kernel(const AttentionParams p, const SplitParams s) {
   __shared__ float s_weight[kMaxSplits];
-  const int row = blockIdx.x / p.num_heads, head = blockIdx.x % p.num_heads;
-  int token, seq, num_keys;
-  if (!locate_row(p, s.all_rows, row, token, seq, num_keys)) {
-    if (s.all_rows && row < p.num_tokens) zero_rows<T>(p, row, 1, head, 1);  // padding
-    return;
-  }
-  const int64_t first = (static_cast<int64_t>(row) * p.num_heads + head) * s.num_splits;
-  float lse_max = -INFINITY;
-  for (int i = 0; i < s.num_splits; ++i) lse_max = fmaxf(lse_max, s.partial_lse[first + i]);
-  for (int i = threadIdx.x; i < s.num_splits; i += blockDim.x) {
-    s_weight[i] = lse_max == -INFINITY ? 0.f : exp2f(s.partial_lse[first + i] - lse_max);
-  }
-  __syncthreads();
-  float total = 0.f;
-  for (int i = 0; i < s.num_splits; ++i) total += s_weight[i];
-  const float inv = total > 0.f ? 1.f / total : 0.f;
-  for (int d = threadIdx.x; d < p.head_size; d += blockDim.x) {
-    float o = 0.f;
-    for (int i = 0; i < s.num_splits; ++i) o += s_weight[i] * s.partial_out[(first + i) * p.head_size + d];
-    static_cast<T*>(p.out)[(static_cast<int64_t>(token) * p.num_heads + head) * p.head_size + d] =
-        from_float<T>(o * inv);
-  }
+  merge_splits<T>(p, s, blockIdx.x / p.num_heads, blockIdx.x % p.num_heads, s_weight);
 }
 
-// Smallest split count that fills the machine about as well as any: efficiency(s) = programs*s
-// over the slots of the ceil(programs*s / capacity) waves they occupy (rows of equal length).
+// No split when the programs fill the GPU's resident slots at least once; else the smallest
+// split count that fills them about as well as any: efficiency(s) = programs * s over the slots
+// of the ceil(programs * s / capacity) waves they occupy (rows of equal length).
 int choose_num_splits(int64_t programs, int64_t capacity, int64_t max_context) {
+  if (programs >= capacity) return 1;
   const int64_t limit = std::clamp<int64_t>((max_context + kMinKeysPerSplit - 1) / kMinKeysPerSplit, 1, kMaxSplits);
   const auto efficiency = [&](int64_t splits) {
     const int64_t work = programs * splits;
@@ -315,7 +273,8 @@ int choose_num_splits(int64_t programs, int64_t capacity, int64_t max_context) {
 }
 
 template <typename T, int D, int GP>
-void launch(const AttentionParams& p, const at::Tensor& query, bool all_rows, int64_t max_context) {
+SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_rows, int64_t max_context,
+                   at::Tensor& workspace) {
   const auto kernel = paged_attention_decode_kernel<T, D, GP>;
   static const int64_t capacity = [&] {  // resident programs on the whole GPU
     int per_sm = 0, sms = 0, device = 0;
@@ -329,52 +288,53 @@ void launch(const AttentionParams& p, const at::Tensor& query, bool all_rows, in
   const int splits = choose_num_splits(static_cast<int64_t>(rows) * p.num_kv_heads * chunks, capacity, max_context);
 
   SplitParams s{all_rows, splits, nullptr, nullptr};
-  at::Tensor partial_out, partial_lse;
   if (splits > 1) {  // workspace from torch's caching allocator: stream-ordered, capture-safe
-    const auto options = query.options().dtype(at::kFloat);
-    partial_out = at::empty({rows, p.num_heads, splits, p.head_size}, options);
-    partial_lse = at::empty({rows, p.num_heads, splits}, options);
-    s.partial_out = partial_out.mutable_data_ptr<float>();
-    s.partial_lse = partial_lse.mutable_data_ptr<float>();
+    const int64_t partials = static_cast<int64_t>(rows) * p.num_heads * splits;
+    workspace = at::empty({partials * (p.head_size + 1)}, query.options().dtype(at::kFloat));
+    s.partial_out = workspace.mutable_data_ptr<float>();
+    s.partial_lse = s.partial_out + partials * p.head_size;
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   kernel<<<dim3(rows * p.num_kv_heads * chunks, splits), kWarps * 32, 0, stream>>>(p, s);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (splits > 1) {
-    paged_attention_reduce_kernel<T><<<rows * p.num_heads, 128, 0, stream>>>(p, s);
+  if (all_rows && splits > 1) {
+    paged_attention_merge_kernel<T><<<rows * p.num_heads, 128, 0, stream>>>(p, s);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
+  return s;
 }
 
 template <typename T, int D>
-void dispatch_group(const AttentionParams& p, const at::Tensor& query, bool all_rows, int64_t max_context) {
+SplitParams dispatch_group(const AttentionParams& p, const at::Tensor& query, bool all_rows, int64_t max_context,
+                           at::Tensor& workspace) {
   // GP query heads per program: the whole group when it has <= 8 heads (rounded up to a power
   // of two, the extra heads masked), else chunks of 8 (each chunk re-reads the kv head).
-  if (p.group == 1) return launch<T, D, 1>(p, query, all_rows, max_context);
-  if (p.group == 2) return launch<T, D, 2>(p, query, all_rows, max_context);
-  if (p.group <= 4) return launch<T, D, 4>(p, query, all_rows, max_context);
-  return launch<T, D, 8>(p, query, all_rows, max_context);
+  if (p.group == 1) return launch<T, D, 1>(p, query, all_rows, max_context, workspace);
+  if (p.group == 2) return launch<T, D, 2>(p, query, all_rows, max_context, workspace);
+  if (p.group <= 4) return launch<T, D, 4>(p, query, all_rows, max_context, workspace);
+  return launch<T, D, 8>(p, query, all_rows, max_context, workspace);
 }
 
 template <typename T>
-void dispatch_head_size(const AttentionParams& p, const at::Tensor& query, bool all_rows, int64_t max_context) {
+SplitParams dispatch_head_size(const AttentionParams& p, const at::Tensor& query, bool all_rows, int64_t max_context,
+                               at::Tensor& workspace) {
   switch (p.head_size) {
-    case 64: return dispatch_group<T, 64>(p, query, all_rows, max_context);
-    case 128: return dispatch_group<T, 128>(p, query, all_rows, max_context);
-    case 256: return dispatch_group<T, 256>(p, query, all_rows, max_context);
-    default: TORCH_CHECK(false, "paged_attention on CUDA supports head_size 64, 128 and 256, got ", p.head_size);
+    case 64: return dispatch_group<T, 64>(p, query, all_rows, max_context, workspace);
+    case 128: return dispatch_group<T, 128>(p, query, all_rows, max_context, workspace);
+    case 256: return dispatch_group<T, 256>(p, query, all_rows, max_context, workspace);
+    default: TORCH_CHECK(false, "paged_attention: unsupported head_size");  // checked in paged_attention.cpp
   }
 }
 
 }  // namespace
 
-void launch_paged_attention_decode(const AttentionParams& p, const at::Tensor& query, bool all_rows,
-                                   int64_t max_context) {
+SplitParams launch_paged_attention_decode(const AttentionParams& p, const at::Tensor& query, bool all_rows,
+                                          int64_t max_context, at::Tensor& workspace) {
   switch (query.scalar_type()) {
-    case at::kBFloat16: return dispatch_head_size<__nv_bfloat16>(p, query, all_rows, max_context);
-    case at::kHalf: return dispatch_head_size<__half>(p, query, all_rows, max_context);
-    case at::kFloat: return dispatch_head_size<float>(p, query, all_rows, max_context);
-    default: TORCH_CHECK(false, "paged_attention: unsupported dtype ", query.scalar_type());
+    case at::kBFloat16: return dispatch_head_size<__nv_bfloat16>(p, query, all_rows, max_context, workspace);
+    case at::kHalf: return dispatch_head_size<__half>(p, query, all_rows, max_context, workspace);
+    case at::kFloat: return dispatch_head_size<float>(p, query, all_rows, max_context, workspace);
+    default: TORCH_CHECK(false, "paged_attention: unsupported dtype");  // checked in paged_attention.cpp
   }
 }
 

@@ -11,8 +11,10 @@
 // Tiles are numbered without reading the batch on the host: sequence i owns tiles
 // [cu[i] / R + i, cu[i + 1] / R + i + 1) (enough for ceil(q_len / R) tiles), so the grid is
 // num_tokens / R + num_seqs + 1 programs; the ones past the last sequence zero padding rows.
-#include <c10/cuda/CUDAStream.h>
+// When the decode kernel ran split-K, num_seqs more programs merge its partials (one per
+// sequence and kv head, all heads of the group): this kernel runs after it on the stream.
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <type_traits>
 
@@ -80,7 +82,7 @@ __device__ __forceinline__ uint32_t pack(float x, float y) {
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kWarps * 32)
-    paged_attention_prefill_kernel(const AttentionParams p, const int rows_per_tile) {
+    paged_attention_prefill_kernel(const AttentionParams p, const SplitParams splits, const int rows_per_tile) {
   constexpr int kStride = D + kPad;
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   extern __shared__ __align__(16) unsigned char smem[];
@@ -92,6 +94,13 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int kv_head = blockIdx.y;
   const int tile = blockIdx.x;
   const int32_t* cu = p.cu_seqlens_q;
+  const int merge_program = tile - (p.num_tokens / R + p.num_seqs + 1);
+  if (merge_program >= 0) {
+    for (int head = kv_head * G; head < kv_head * G + G; ++head) {
+      merge_splits<T>(p, splits, merge_program, head, reinterpret_cast<float*>(smem));
+    }
+    return;
+  }
   const int padding_tile = cu[p.num_seqs] / R + p.num_seqs;
   if (tile >= padding_tile) {
     zero_rows<T>(p, cu[p.num_seqs] + (tile - padding_tile) * R, R, kv_head * G, G);
@@ -260,7 +269,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 }
 
 template <typename T, int D>
-void launch(const AttentionParams& p) {
+void launch(const AttentionParams& p, const SplitParams& splits) {
   const auto kernel = paged_attention_prefill_kernel<T, D>;
   static const bool configured = [&] {  // more than 48 KB of dynamic shared memory is opt-in
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<D>()));
@@ -269,15 +278,16 @@ void launch(const AttentionParams& p) {
   (void)configured;
   const int rows_per_tile = kBlockM / p.group;
   const int tiles = p.num_tokens / rows_per_tile + p.num_seqs + 1;
-  kernel<<<dim3(tiles, p.num_kv_heads), kWarps * 32, smem_bytes<D>(), c10::cuda::getCurrentCUDAStream()>>>(
-      p, rows_per_tile);
+  const int merges = splits.num_splits > 1 ? p.num_seqs : 0;
+  kernel<<<dim3(tiles + merges, p.num_kv_heads), kWarps * 32, smem_bytes<D>(), c10::cuda::getCurrentCUDAStream()>>>(
+      p, splits, rows_per_tile);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T>
-void dispatch_head_size(const AttentionParams& p) {
-  if (p.head_size == 64) return launch<T, 64>(p);
-  return launch<T, 128>(p);
+void dispatch_head_size(const AttentionParams& p, const SplitParams& splits) {
+  if (p.head_size == 64) return launch<T, 64>(p, splits);
+  return launch<T, 128>(p, splits);
 }
 
 }  // namespace
@@ -287,9 +297,9 @@ bool prefill_supported(at::ScalarType dtype, int head_size, int group) {
          group <= kBlockM;
 }
 
-void launch_paged_attention_prefill(const AttentionParams& p, const at::Tensor& query) {
-  if (query.scalar_type() == at::kBFloat16) return dispatch_head_size<__nv_bfloat16>(p);
-  return dispatch_head_size<__half>(p);
+void launch_paged_attention_prefill(const AttentionParams& p, const SplitParams& splits, const at::Tensor& query) {
+  if (query.scalar_type() == at::kBFloat16) return dispatch_head_size<__nv_bfloat16>(p, splits);
+  return dispatch_head_size<__half>(p, splits);
 }
 
 }  // namespace compilelm::cuda

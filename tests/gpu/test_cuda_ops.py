@@ -162,12 +162,16 @@ def test_bad_inputs_raise():
         paged_attention(query, key_cache, value_cache, cu, seq_lens.cpu(), block_tables, scale)
     with pytest.raises(RuntimeError, match="block_tables must be int32"):
         paged_attention(query, key_cache, value_cache, cu, seq_lens, block_tables.long(), scale)
-    with pytest.raises(RuntimeError, match="head_size 64, 128 and 256"):
-        paged_attention(query[..., :32], key_cache[..., :32].contiguous(), value_cache[..., :32].contiguous(),
-                        cu, seq_lens, block_tables, scale)
+    small_k, small_v = key_cache[..., :32].contiguous(), value_cache[..., :32].contiguous()
+    with pytest.raises(RuntimeError, match=r"contiguous within a token \(strides \[256, 64, 1\]\)"):
+        paged_attention(query[..., :32], small_k, small_v, cu, seq_lens, block_tables, scale)
+    with pytest.raises(RuntimeError, match="head_size 64, 128 and 256, got 32"):
+        paged_attention(query[..., :32].contiguous(), small_k, small_v, cu, seq_lens, block_tables, scale)
     key, value, kc, vc, slots = cuda(make_cache_inputs(torch.float32))
     with pytest.raises(RuntimeError, match="slot_mapping must be int64"):
         reshape_and_cache(key, value, kc, vc, slots.int())
+    with pytest.raises(RuntimeError, match=r"slot_mapping must be \[num_tokens\] = \[20\], got \[19\]"):
+        reshape_and_cache(key, value, kc, vc, slots[1:])
 
 
 def test_cuda_graph_capture_and_replay():

@@ -1,7 +1,9 @@
-// CUDA paged_attention: checks the call and routes its rows to the two kernels.
+// CUDA paged_attention: checks the call (here, compiled as C++: see launchers.h) and routes
+// its rows to the two kernels.
 //
 //   decode rows (q_len == 1)   paged_attention_decode.cu   CUDA cores, GQA-aware, split-K
-//   prefill rows (q_len > 1)   paged_attention_prefill.cu  tiled flash attention, tensor cores
+//   prefill rows (q_len > 1)   paged_attention_prefill.cu  tiled flash attention, tensor cores;
+//                                                          also merges the decode splits
 //
 // Which rows are which lives in cu_seqlens_q on the device; reading it on the host would sync
 // and break CUDA-graph capture. So both kernels are launched over the whole batch and each
@@ -12,14 +14,11 @@
 // Values are trusted, as in any kernel that must not sync: cu_seqlens_q non-decreasing from 0,
 // q_len <= seq_len <= max_blocks * block_size, block ids inside the cache (the CPU kernel
 // checks these; here a bad value reads the wrong rows).
-#include <c10/cuda/CUDAStream.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include <cmath>
-
-#include "cuda/attention_common.cuh"
 #include "cuda/cuda_ops.h"
+#include "cuda/launchers.h"
 
 namespace compilelm::cuda {
 namespace {
@@ -77,6 +76,8 @@ at::Tensor paged_attention(
               num_seqs + 1, "], got ", cu_seqlens_q.sizes());
   TORCH_CHECK(block_tables.size(0) == num_seqs, "block_tables must have num_seqs = ", num_seqs,
               " rows, got ", block_tables.sizes());
+  TORCH_CHECK(query.size(2) == 64 || query.size(2) == 128 || query.size(2) == 256,
+              "paged_attention on CUDA supports head_size 64, 128 and 256, got ", query.size(2));
   TORCH_CHECK(query.numel() < (int64_t{1} << 31) && key_cache.size(0) * key_cache.size(1) < (int64_t{1} << 31),
               "paged_attention on CUDA indexes tokens and cache slots with 32-bit ints");
 
@@ -108,11 +109,12 @@ at::Tensor paged_attention(
   p.scale_log2 = static_cast<float>(scale) * kLog2e;
 
   const int64_t max_context = tables.size(1) * key_cache.size(1);
+  at::Tensor workspace;  // split-K partials: alive until both kernels are enqueued
   if (prefill_supported(dtype, p.head_size, p.group)) {
-    launch_paged_attention_decode(p, query, /*all_rows=*/false, max_context);
-    launch_paged_attention_prefill(p, query);
+    const SplitParams splits = launch_paged_attention_decode(p, query, /*all_rows=*/false, max_context, workspace);
+    launch_paged_attention_prefill(p, splits, query);
   } else {
-    launch_paged_attention_decode(p, query, /*all_rows=*/true, max_context);
+    launch_paged_attention_decode(p, query, /*all_rows=*/true, max_context, workspace);
   }
   return out;
 }
