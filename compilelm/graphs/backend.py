@@ -162,8 +162,8 @@ def op_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
     counts: dict[str, int] = {}
     for node in gm.graph.nodes:
         if node.op == "call_function":
-            name = getattr(node.target, "__name__", str(node.target)) if callable(node.target) else str(node.target)
-            name = str(node.target) if isinstance(node.target, torch._ops.OpOverload) else name
+            t = node.target
+            name = str(t) if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
             name = name.replace("aten.", "").replace(".default", "")
             counts[name] = counts.get(name, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))

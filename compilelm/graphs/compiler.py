@@ -14,7 +14,6 @@ recompile while serving.
 from __future__ import annotations
 
 import inspect
-import os
 import time
 from typing import Callable
 

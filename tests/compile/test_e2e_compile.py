@@ -69,6 +69,11 @@ def test_compile_cli_dump_on_llama(tmp_path, inductor_dir, capsys):
     assert cli_main(["compile", "dummy:smollm2-135m", "-cc", cc]) == 0
     assert cli_main(["compile", "dummy:smollm2-135m", "-cc", cc]) == 0
     assert "compiled (warm)" in capsys.readouterr().out
+    # ... and so does the engine: `compilelm compile` pre-warms the cache `serve` uses
+    before = compile_counters.snapshot()
+    LLM("dummy:smollm2-135m", compilation_config=json.loads(cc))
+    delta = compile_counters.delta(before)
+    assert delta["cache_hits"] == 1 and delta["inductor_compiles"] == 0 and delta["dynamo_traces"] == 0
 
 
 def test_compile_cli_rejects_eager(capsys):
