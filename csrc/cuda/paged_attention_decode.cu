@@ -5,8 +5,7 @@
 // of a key or value row serves all GP heads. Inside a program, key rows are spread over "row
 // groups" of kLanes lanes (one row = kLanes x 16-byte loads), each with its own online softmax;
 // a row group issues the loads of its next kUnroll rows before the math of the current ones.
-// The row groups' states are
-// merged through shared memory at the end.
+// The row groups' states are merged through shared memory at the end.
 //
 // Split-K (flash-decoding): with few programs per SM (small batch, long context) the context
 // of each row is cut into num_splits equal chunks; each split writes its normalized partial
@@ -26,7 +25,8 @@ namespace compilelm::cuda {
 namespace {
 
 constexpr int kWarps = 4;
-constexpr int kMinKeysPerSplit = 128;  // below this a split's fixed cost outweighs its keys
+constexpr int kMinKeysPerSplit = 32;    // one step of a program (bf16, head_size 128)
+constexpr int kProgramCostKeys = 128;  // a program's start-up and merge, in keys streamed
 
 __device__ __forceinline__ uint4 load_stream(const void* ptr) {
   uint4 v;
@@ -254,22 +254,22 @@ __global__ void __launch_bounds__(128)
   merge_splits<T>(p, s, blockIdx.x / p.num_heads, blockIdx.x % p.num_heads, s_weight);
 }
 
-// No split when the programs fill the GPU's resident slots at least once; else the smallest
-// split count that fills them about as well as any: efficiency(s) = programs * s over the slots
-// of the ceil(programs * s / capacity) waves they occupy (rows of equal length).
+// Split count minimizing waves(s) x (keys per split + a program's fixed cost), where waves(s)
+// = ceil(programs * s / resident programs): every row taken at the full max_context. Splitting
+// fills idle SMs (few rows) and evens out a last, partial wave; each split adds a program's
+// start-up, merge and the partials' traffic.
 int choose_num_splits(int64_t programs, int64_t capacity, int64_t max_context) {
-  if (programs >= capacity) return 1;
-  const int64_t limit = std::clamp<int64_t>((max_context + kMinKeysPerSplit - 1) / kMinKeysPerSplit, 1, kMaxSplits);
-  const auto efficiency = [&](int64_t splits) {
-    const int64_t work = programs * splits;
-    return static_cast<double>(work) / static_cast<double>((work + capacity - 1) / capacity * capacity);
-  };
-  double best = 0.0;
-  for (int64_t s = 1; s <= limit; ++s) best = std::max(best, efficiency(s));
-  for (int64_t s = 1; s <= limit; ++s) {
-    if (efficiency(s) >= 0.9 * best) return static_cast<int>(s);
+  int best = 1;
+  double best_cost = 0.0;
+  for (int64_t s = 1; s <= kMaxSplits && (s == 1 || max_context / s >= kMinKeysPerSplit); ++s) {
+    const int64_t waves = (programs * s + capacity - 1) / capacity;
+    const double cost = static_cast<double>(waves) * ((max_context + s - 1) / s + kProgramCostKeys);
+    if (s == 1 || cost < best_cost) {
+      best = static_cast<int>(s);
+      best_cost = cost;
+    }
   }
-  return 1;
+  return best;
 }
 
 template <typename T, int D, int GP>
