@@ -47,10 +47,10 @@ def time_hf(model, prompts, n_new: int) -> float:
     return dt
 
 
-def load_hf(model_path: str):
+def load_hf(model_path: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
     d, f = os.path.dirname(model_path), os.path.basename(model_path)
-    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=dtype).eval()
 
 
 def main(argv=None) -> dict:
@@ -60,7 +60,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--short", type=int, default=4)
     ap.add_argument("--long", type=int, default=36)
-    ap.add_argument("-O", dest="level", type=int, default=0, help="compilelm optimization level")
+    ap.add_argument("-O", dest="level", type=int, default=None, help="compilelm optimization level (default: the engine's)")
+    ap.add_argument("--dtype", default="auto", help="compilelm dtype (auto = float32 on CPU)")
+    ap.add_argument("--hf-dtype", default="float32", help="dtype of the Hugging Face baseline")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -69,14 +71,14 @@ def main(argv=None) -> dict:
 
     from compilelm import LLM
     from compilelm.models.loader import resolve_model
-    llm = LLM(args.model, optimization_level=args.level, max_model_len=args.prompt_len + args.long + 8,
-              max_num_seqs=max(args.batches))
+    llm = LLM(args.model, optimization_level=args.level, dtype=args.dtype,
+              max_model_len=args.prompt_len + args.long + 8, max_num_seqs=max(args.batches))
     hf = None
     if not args.no_hf:
         src = resolve_model(args.model)
         if src.kind != "gguf":
             sys.exit("the HF baseline is wired for GGUF models (the default); pass --no-hf otherwise")
-        hf = load_hf(src.path)
+        hf = load_hf(src.path, getattr(torch, args.hf_dtype))
     vocab = llm.engine.model_config.vocab_size
     rows = []
     for batch in tqdm(args.batches, desc="bench_cpu", unit="batch"):
@@ -90,8 +92,11 @@ def main(argv=None) -> dict:
             row.update(hf_tok_s=theirs, ratio=ours / theirs)
         rows.append(row)
     print_table(rows, ["batch", "compilelm_tok_s", "hf_tok_s", "ratio"])
-    path = write_result("bench_cpu", {"model": llm.engine.source.name, "optimization_level": args.level,
-                                      "prompt_len": args.prompt_len, "rows": rows}, args.out)
+    level = getattr(llm.engine.config.compilation, "level", 0)
+    path = write_result("bench_cpu", {"model": llm.engine.source.name, "optimization_level": level,
+                                      "dtype": str(llm.engine.dtype), "hf_dtype": args.hf_dtype,
+                                      "prompt_len": args.prompt_len, "decode_tokens": args.long - args.short,
+                                      "rows": rows}, args.out)
     print(f"wrote {path}")
     return {"rows": rows}
 
