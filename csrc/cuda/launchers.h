@@ -1,7 +1,6 @@
 // Host-side entry points of the CUDA kernels (.cu files), called by the op implementations
-// (.cpp files). The .cpp side validates inputs and formats every error message: host code in
-// .cu files goes through nvcc's front end, and on the GPU machine (nvcc 13.0, g++ 13.3) a
-// TORCH_CHECK message that prints integers from a .cu file crashed (segfault in ostream).
+// (.cpp files): the .cpp side validates the inputs and formats the error messages, so a .cu
+// file holds only kernels and the launch logic (grid, split count, workspace).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,5 +1,4 @@
-// CUDA paged_attention: checks the call (here, compiled as C++: see launchers.h) and routes
-// its rows to the two kernels.
+// CUDA paged_attention: checks the call and routes its rows to the two kernels.
 //
 //   decode rows (q_len == 1)   paged_attention_decode.cu   CUDA cores, GQA-aware, split-K
 //   prefill rows (q_len > 1)   paged_attention_prefill.cu  tiled flash attention, tensor cores;

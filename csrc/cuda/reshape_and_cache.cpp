@@ -1,5 +1,5 @@
-// CUDA reshape_and_cache: checks the call (in C++: see launchers.h) and launches the copy
-// kernel of cache_kernels.cu, in 16-byte units when sizes, strides and pointers allow it.
+// CUDA reshape_and_cache: checks the call and launches the copy kernel of cache_kernels.cu, in
+// 16-byte units when sizes, strides and pointers allow it.
 #include <c10/cuda/CUDAGuard.h>
 
 #include "cuda/cuda_ops.h"
