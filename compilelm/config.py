@@ -91,7 +91,8 @@ class EngineConfig:
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return getattr(torch, _DTYPES[self.dtype])
 
-    def cache_key_factors(self) -> dict:
-        """What in this config can change compiled code (the compile cache key's engine part)."""
+    def cache_key_factors(self, model_config) -> dict:
+        """What can change the compiled code of this engine's model: the compile cache key's
+        engine and model part (`compilelm compile` and the engine must compute it the same way)."""
         return {"dtype": str(self.torch_dtype()), "device": self.torch_device().type,
-                "block_size": self.cache.block_size}
+                "block_size": self.cache.block_size, "model": model_config.to_dict()}

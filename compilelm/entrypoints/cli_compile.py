@@ -36,7 +36,7 @@ def load_model(config):
     model_config = load_model_config(source, dict(config.model_overrides))
     torch.manual_seed(config.seed)
     model = build_model(source, model_config, config.torch_dtype(), config.torch_device())
-    return model, {**config.cache_key_factors(), "model": model_config.to_dict()}
+    return model, config.cache_key_factors(model_config)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -52,9 +52,12 @@ class ModelRunner:
             return self.model
         from compilelm.graphs import compile_model
         t0 = time.perf_counter()
-        factors = {**config.cache_key_factors(), "model": self.model.config.to_dict()}
-        fn = compile_model(self.model, compilation, factors)
-        logger.info("compile set up in %.1f s", time.perf_counter() - t0)
+        fn = compile_model(self.model, compilation, config.cache_key_factors(self.model.config))
+        from compilelm.graphs import compile_counters, default_cache_dir
+        c = compile_counters
+        logger.info("compiled (-O%d) in %.1f s: %d pieces, %d Inductor compiles, %d loaded from the "
+                    "compile cache at %s", compilation.level, time.perf_counter() - t0, c.pieces,
+                    c.inductor_compiles, c.artifacts_loaded, compilation.cache_dir or default_cache_dir())
         return fn
 
     @staticmethod
