@@ -43,15 +43,45 @@ def _gguf_tokenizer(path: str):
     return tok
 
 
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class IdTokenizer:
+    """Stand-in for a model without a tokenizer (a Hugging Face directory holding only config and
+    weights, or a dummy model when the default model is not installed): prompts must be token
+    ids; text encodes as UTF-8 bytes and each id decodes to `<id>`."""
+
+    eos_token_id = None
+    all_special_ids: list[int] = []
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, token_ids, **kwargs) -> str:
+        return "".join(f"<{int(t)}>" for t in token_ids)
+
+    def batch_decode(self, sequences, **kwargs) -> list[str]:
+        return [self.decode(s) for s in sequences]
+
+
 def load_tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     if source.kind == "hf":
+        if not any(os.path.isfile(os.path.join(source.path, f)) for f in _HF_TOKENIZER_FILES):
+            return IdTokenizer()
         return AutoTokenizer.from_pretrained(source.path)
+    if source.kind == "gguf":
+        return _gguf_tokenizer(source.path)
     # dummy models use the default model's tokenizer: ids beyond its vocab decode to nothing
-    return _gguf_tokenizer(source.path if source.kind == "gguf" else default_model_path())
+    try:
+        path = default_model_path()
+    except FileNotFoundError:
+        return IdTokenizer()
+    return _gguf_tokenizer(path)
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,

@@ -65,7 +65,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.device, self.dtype = config.torch_device(), config.torch_dtype()
         self.tokenizer = load_tokenizer(self.source)
-        model = build_model(self.source, self.model_config, self.dtype, self.device)
+        model = build_model(self.source, self.model_config, self.dtype, self.device, config.quantization)
         logger.info("weights loaded: %s (%s, %s) in %.1f s", self.source.name, self.dtype, self.device,
                     time.perf_counter() - t0)
         num_blocks = self._num_kv_blocks()
@@ -104,7 +104,9 @@ class LLMEngine:
         per_block = ModelRunner.kv_bytes_per_block(self.model_config, cache.block_size, self.dtype)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * cache.gpu_memory_utilization - (total - free)
+            # minus the activations and the decode CUDA graphs' pool, allocated after the cache
+            budget = (total * cache.gpu_memory_utilization - (total - free)
+                      - ModelRunner.cuda_memory_reserve(self.model_config, self.config, self.dtype))
         else:
             budget = cache.kv_cache_memory_gb * 2**30
         # never more than every sequence at full length needs (+1 for the null block)

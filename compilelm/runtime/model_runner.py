@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from compilelm.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from compilelm.runtime.cuda_graphs import CUDAGraphRunner, HostBatch, InputBuffers, capture_sizes
 from compilelm.runtime.sampler import Sampler, SamplerOutput, gather_logprobs
 from compilelm.runtime.scheduler import SchedulerOutput
 
@@ -45,6 +46,26 @@ class ModelRunner:
                           for name in model.attention_layer_names()}
         self.sampler = Sampler()
         self.forward_fn = self._build_forward(config)
+        # On CUDA, step inputs go through static buffers (pinned host -> device, no sync), which
+        # the decode graphs read; on CPU each step makes fresh tensors.
+        self.buffers, self.cuda_graphs = None, None
+        if device.type == "cuda":
+            sched = config.scheduler
+            sizes = self._capture_sizes(config)
+            max_blocks = -(-config.max_model_len // self.block_size)
+            self.buffers = InputBuffers(max(sched.max_num_batched_tokens, max(sizes, default=0)),
+                                        sched.max_num_seqs, max_blocks, device)
+            if sizes:
+                self.cuda_graphs = CUDAGraphRunner(sizes)
+                self.cuda_graphs.capture(self.forward_fn, self.buffers, self.kv_caches)
+
+    @staticmethod
+    def _capture_sizes(config) -> list[int]:
+        compilation = getattr(config, "compilation", None)
+        if compilation is None or compilation.cudagraph_mode not in ("full", "full_and_piecewise"):
+            return []  # piecewise graphs are not implemented: those batches run eagerly
+        sched = config.scheduler
+        return capture_sizes(compilation, sched.max_num_seqs, sched.max_num_batched_tokens)
 
     def _build_forward(self, config):
         compilation = getattr(config, "compilation", None)
@@ -65,7 +86,21 @@ class ModelRunner:
         per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * model_config.head_dim
         return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
-    def prepare_inputs(self, sched: SchedulerOutput):
+    @staticmethod
+    def cuda_memory_reserve(model_config, config, dtype: torch.dtype) -> int:
+        """Bytes to keep free for activations when the KV cache is sized on a GPU: an eager step
+        of max_num_batched_tokens, the decode graphs' pool (the largest capture size's
+        activations), and the sampler's fp32 logits. An estimate, checked at startup against the
+        measured graph memory (logged)."""
+        mc, sched = model_config, config.scheduler
+        per_token = (4 * mc.hidden_size + 2 * (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim
+                     + 3 * mc.intermediate_size) * torch.empty((), dtype=dtype).element_size()
+        graph_tokens = max(ModelRunner._capture_sizes(config), default=0)
+        logits = 3 * sched.max_num_seqs * mc.vocab_size * 4
+        return 2 * per_token * (sched.max_num_batched_tokens + graph_tokens) + logits
+
+    def host_batch(self, sched: SchedulerOutput) -> HostBatch:
+        """The plan as flat host arrays: every scheduled token of every request."""
         ids, pos, slots, cu, seq_lens, sample_idx, tables = [], [], [], [0], [], [], []
         bs = self.block_size
         for sr in sched.scheduled:
@@ -84,25 +119,45 @@ class ModelRunner:
         block_tables = np.zeros((len(tables), max_blocks), dtype=np.int32)  # padding -> null block 0
         for i, t in enumerate(tables):
             block_tables[i, :len(t)] = t
+        return HostBatch(np.concatenate(ids), np.concatenate(pos), np.concatenate(slots),
+                         np.asarray(cu, dtype=np.int32), np.asarray(seq_lens, dtype=np.int32), block_tables,
+                         np.asarray(sample_idx, dtype=np.int64), max(sr.num_new_tokens for sr in sched.scheduled))
+
+    def prepare_inputs(self, sched: SchedulerOutput, padded_size: int | None = None):
+        """(input_ids, positions, metadata, sample_idx) on the device. With `padded_size` (a
+        captured decode graph's size) the batch is padded to it, block tables at full width."""
+        b = self.host_batch(sched)
+        if self.buffers is not None:
+            if padded_size is not None:
+                return self.buffers.load(b, padded_size, padded_size, self.buffers.max_blocks)
+            return self.buffers.load(b, len(b.input_ids), len(b.seq_lens), b.block_tables.shape[1])
         dev = self.device
         as_t = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(dev, dt)  # noqa: E731
         meta = AttentionMetadata(
-            slot_mapping=as_t(np.concatenate(slots), torch.int64),
-            cu_seqlens_q=as_t(np.asarray(cu), torch.int32),
-            seq_lens=as_t(np.asarray(seq_lens), torch.int32),
-            block_tables=as_t(block_tables, torch.int32),
-            max_query_len=max(sr.num_new_tokens for sr in sched.scheduled),
-            max_seq_len=max(seq_lens),
+            slot_mapping=as_t(b.slot_mapping, torch.int64),
+            cu_seqlens_q=as_t(b.cu_seqlens_q, torch.int32),
+            seq_lens=as_t(b.seq_lens, torch.int32),
+            block_tables=as_t(b.block_tables, torch.int32),
+            max_query_len=b.max_query_len,
+            max_seq_len=int(b.seq_lens.max()),
         )
-        return (as_t(np.concatenate(ids), torch.int64), as_t(np.concatenate(pos), torch.int64), meta,
-                torch.tensor(sample_idx, dtype=torch.int64, device=dev))
+        return (as_t(b.input_ids, torch.int64), as_t(b.positions, torch.int64), meta,
+                as_t(b.sample_idx, torch.int64))
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> StepOutput:
-        """Runs one forward for the whole plan, then samples the requests that need a token."""
-        input_ids, positions, meta, sample_idx = self.prepare_inputs(sched)
-        with set_forward_context(ForwardContext(meta, self.kv_caches)):
-            hidden = self.forward_fn(input_ids, positions)
+        """Runs one forward for the whole plan, then samples the requests that need a token.
+        A pure-decode batch replays the decode graph of the next captured size."""
+        num_tokens = sum(sr.num_new_tokens for sr in sched.scheduled)
+        graph_size = None
+        if self.cuda_graphs is not None and num_tokens == len(sched.scheduled):
+            graph_size = self.cuda_graphs.padded_size(num_tokens)
+        input_ids, positions, meta, sample_idx = self.prepare_inputs(sched, graph_size)
+        if graph_size is not None:
+            hidden = self.cuda_graphs.replay(graph_size)[:num_tokens]
+        else:
+            with set_forward_context(ForwardContext(meta, self.kv_caches)):
+                hidden = self.forward_fn(input_ids, positions)
         out = StepOutput([], None, self._prompt_logprobs(sched, hidden))
         out.sampled = [sr.request for sr in sched.scheduled if sr.do_sample]
         if out.sampled:

@@ -1,0 +1,150 @@
+"""CUDA graphs for decode steps, and the static input buffers that graphs read.
+
+A decode step of a small model is a few hundred short kernels; launching them one by one from
+Python leaves the GPU idle between them. A CUDA graph records the launches once per batch size
+and replays them with one call. Replays read and write fixed addresses, so every per-step input
+(token ids, positions, slot mapping, cu_seqlens_q, seq_lens, block tables) lives in a static
+device buffer owned by the runner, and a step copies its values into the front of each buffer
+from a pinned host twin (non-blocking: preparing a step never waits for the GPU).
+
+Pure-decode batches (one query token per sequence) replay a FULL-model graph captured at the
+next capture size; the rows past the real batch are padding that the kernels skip (slot -1: no
+KV write; q_len 0 and seq_len 0: output row zeroed; block table row 0: the null block). Mixed
+and prefill batches run without graphs. Graphs are captured largest first into one memory pool,
+so the smaller ones reuse the largest one's activation memory.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from compilelm.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+
+logger = logging.getLogger(__name__)
+
+
+def default_capture_sizes() -> list[int]:
+    """1, 2, 4, then steps of 8 to 256, then steps of 16 to 512 (vLLM's list)."""
+    return [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, 513, 16))
+
+
+def capture_sizes(compilation, max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
+    """The configured sizes (or the default list) that a decode batch can reach."""
+    sizes = list(compilation.cudagraph_capture_sizes) or default_capture_sizes()
+    return sorted(s for s in sizes if s <= min(max_num_seqs, max_num_batched_tokens))
+
+
+@dataclass
+class HostBatch:
+    """One step's inputs on the host, before padding."""
+
+    input_ids: np.ndarray  # int64 [num_tokens]
+    positions: np.ndarray  # int64 [num_tokens]
+    slot_mapping: np.ndarray  # int64 [num_tokens]
+    cu_seqlens_q: np.ndarray  # int32 [num_seqs + 1]
+    seq_lens: np.ndarray  # int32 [num_seqs]
+    block_tables: np.ndarray  # int32 [num_seqs, max_blocks_in_batch]; padding -> null block 0
+    sample_idx: np.ndarray  # int64 [num_sampled]
+    max_query_len: int
+
+
+class InputBuffers:
+    """Static device tensors for a step's inputs, each with a pinned host twin."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
+        self.max_blocks = max_blocks  # block-table width of the captured graphs
+        self.host, self.dev = {}, {}
+        for name, size, dtype in (("input_ids", max_tokens, torch.int64), ("positions", max_tokens, torch.int64),
+                                  ("slot_mapping", max_tokens, torch.int64),
+                                  ("cu_seqlens_q", max_seqs + 1, torch.int32), ("seq_lens", max_seqs, torch.int32),
+                                  ("block_tables", max_seqs * max_blocks, torch.int32),  # flat: any [S, W] view
+                                  ("sample_idx", max_seqs, torch.int64)):
+            self.host[name] = torch.zeros(size, dtype=dtype, pin_memory=device.type == "cuda")
+            self.dev[name] = torch.zeros(size, dtype=dtype, device=device)
+
+    def load(self, b: HostBatch, num_tokens: int, num_seqs: int, width: int):
+        """Copies `b`, padded to `num_tokens` tokens and `num_seqs` sequences with block tables
+        `width` wide, into the buffers; returns (input_ids, positions, metadata, sample_idx),
+        views of the device buffers."""
+        s = len(b.seq_lens)
+        h = {k: v.numpy() for k, v in self.host.items()}
+        fill = {"input_ids": (b.input_ids, 0, num_tokens), "positions": (b.positions, 0, num_tokens),
+                "slot_mapping": (b.slot_mapping, -1, num_tokens),
+                "cu_seqlens_q": (b.cu_seqlens_q, b.cu_seqlens_q[-1], num_seqs + 1),
+                "seq_lens": (b.seq_lens, 0, num_seqs), "sample_idx": (b.sample_idx, 0, len(b.sample_idx))}
+        for name, (values, pad, size) in fill.items():
+            h[name][:len(values)] = values
+            h[name][len(values):size] = pad
+        tables = h["block_tables"][:num_seqs * width].reshape(num_seqs, width)
+        tables[:] = 0
+        tables[:s, :b.block_tables.shape[1]] = b.block_tables
+        sizes = {name: size for name, (_, _, size) in fill.items()}
+        sizes["block_tables"] = num_seqs * width
+        d = {}
+        for name, size in sizes.items():  # the copies queue behind the previous step's work
+            d[name] = self.dev[name][:size]
+            d[name].copy_(self.host[name][:size], non_blocking=True)
+        meta = AttentionMetadata(slot_mapping=d["slot_mapping"], cu_seqlens_q=d["cu_seqlens_q"],
+                                 seq_lens=d["seq_lens"], block_tables=d["block_tables"].view(num_seqs, width),
+                                 max_query_len=b.max_query_len, max_seq_len=int(b.seq_lens.max()))
+        return d["input_ids"], d["positions"], meta, d["sample_idx"]
+
+
+class CUDAGraphRunner:
+    """Full-model graphs for pure-decode batches, one per capture size, in one memory pool."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes = sorted(sizes)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.memory_bytes = 0
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        """The smallest captured size that holds `num_tokens`, else None (run eagerly)."""
+        i = bisect.bisect_left(self.sizes, num_tokens)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    @torch.inference_mode()
+    def capture(self, forward_fn, buffers: InputBuffers, kv_caches: dict) -> None:
+        """Captures `forward_fn(input_ids, positions)` at every size, largest first. The dummy
+        batch decodes one token per sequence over the null block and writes no KV (slot -1)."""
+        torch.cuda.synchronize()
+        free_before, t0 = torch.cuda.mem_get_info()[0], time.perf_counter()
+        self.pool = torch.cuda.graph_pool_handle()
+        bar = tqdm(sorted(self.sizes, reverse=True), desc="compilelm: capturing CUDA graphs", unit="graph",
+                   disable=None)
+        for size in bar:
+            ones = np.ones(size, dtype=np.int64)
+            dummy = HostBatch(input_ids=ones * 0, positions=ones * 0, slot_mapping=-ones,
+                              cu_seqlens_q=np.arange(size + 1, dtype=np.int32), seq_lens=np.ones(size, np.int32),
+                              block_tables=np.zeros((size, 1), np.int32), sample_idx=np.zeros(0, np.int64),
+                              max_query_len=1)
+            input_ids, positions, meta, _ = buffers.load(dummy, size, size, buffers.max_blocks)
+            with set_forward_context(ForwardContext(meta, kv_caches)):
+                forward_fn(input_ids, positions)  # warm-up: lazy initialisation, Triton autotuning
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = forward_fn(input_ids, positions)
+            self.graphs[size] = (graph, out)
+            used = free_before - torch.cuda.mem_get_info()[0]
+            bar.set_postfix_str(f"{used / 2**20:.0f} MiB, {time.perf_counter() - t0:.1f} s")
+        torch.cuda.synchronize()
+        self.memory_bytes = free_before - torch.cuda.mem_get_info()[0]
+        logger.info("captured %d CUDA graphs (decode batch sizes %d..%d) in %.1f s, using %.0f MiB",
+                    len(self.graphs), self.sizes[0], self.sizes[-1], time.perf_counter() - t0,
+                    self.memory_bytes / 2**20)
+
+    def replay(self, size: int) -> torch.Tensor:
+        """Replays the graph of `size` on the values now in the input buffers; returns its output
+        (hidden states [size, hidden_size], valid until the next replay)."""
+        graph, out = self.graphs[size]
+        graph.replay()
+        return out
