@@ -1,4 +1,4 @@
-"""`compilelm` command line: generate, compile, serve."""
+"""`compilelm` command line: generate, compile, serve, passes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib
 import logging
 import sys
 
-SUBCOMMANDS = ["generate", "compile", "serve"]
+SUBCOMMANDS = ["generate", "compile", "serve", "passes"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,6 +32,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     c.add_argument("--enforce-eager", action="store_true", help="never compile (same as -O0)")
     c.add_argument("--compilation-config", "-cc", default=None, help="JSON overriding CompileConfig fields")
     c.add_argument("--no-compile-cache", action="store_true", help="do not read or write the compile cache")
+    c.add_argument("--pass", dest="custom_passes", action="append", default=[],
+                   metavar="MODULE:CLASS[,stage=S][,before=P|after=P]",
+                   help="add a custom graph pass (repeatable; after the built-in passes of its stage by default)")
 
 
 class ArgError(ValueError):
@@ -59,6 +62,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if args.no_compile_cache:
         import json
         compilation = json.dumps({**json.loads(compilation or "{}"), "use_cache": False})
+    if getattr(args, "custom_passes", None):
+        import json
+        given = json.loads(compilation or "{}")
+        compilation = json.dumps({**given, "custom_passes": [*given.get("custom_passes", []), *args.custom_passes]})
     flag_of = {"dtype": "--dtype", "device": "--device", "max_model_len": "--max-model-len",
                "block_size": "--block-size", "num_kv_blocks": "--num-kv-blocks",
                "max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",

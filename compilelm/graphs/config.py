@@ -15,6 +15,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 
 from compilelm.passes.config import PassConfig
+from compilelm.passes.manager import parse_pass_spec
 
 CUDAGRAPH_MODES = ("none", "piecewise", "full", "full_and_piecewise")
 
@@ -22,7 +23,7 @@ CUDAGRAPH_MODES = ("none", "piecewise", "full", "full_and_piecewise")
 # the "passes" dict of level 1.
 _LEVEL_DEFAULTS: dict[int, dict] = {
     0: {"cudagraph_mode": "none"},
-    1: {"cudagraph_mode": "piecewise", "passes": {}},
+    1: {"cudagraph_mode": "piecewise", "passes": {"fuse_rope_attention": False}},
     2: {},
     3: {"compile_sizes": (1, 2, 4, 8), "max_autotune": True},
 }
@@ -38,7 +39,8 @@ def default_cache_dir() -> str:
 class CompileConfig:
     level: int = 2
     # Ops the graph is split at ("namespace::name"); each stays an opaque call between pieces.
-    splitting_ops: tuple[str, ...] = ("compilelm::unified_attention",)
+    splitting_ops: tuple[str, ...] = ("compilelm::unified_attention", "compilelm::unified_attention_rope",
+                                      "compilelm::unified_attention_qknorm_rope")
     # Token counts compiled with static shapes besides the symbolic range.
     compile_sizes: tuple[int, ...] = ()
     max_autotune: bool = False  # Inductor max-autotune for the static compile sizes
@@ -87,6 +89,7 @@ class CompileConfig:
         for spec in self.custom_passes:
             if not isinstance(spec, str) or ":" not in spec:
                 raise ValueError(f"custom_passes entries must look like 'package.module:Class', got {spec!r}")
+            parse_pass_spec(spec)  # stage=/before=/after= options
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, got {self.cudagraph_mode!r}")
         for name in ("max_autotune", "use_cache", "verify_passes"):

@@ -96,20 +96,35 @@ class FusionPass(CompilePass):
         example_inputs: list,
         extra_check: Callable[[pm.Match], bool] | None = None,
         scalar_workaround: dict[str, float] | None = None,
+        into: pm.PatternMatcherPass | None = None,
     ) -> None:
-        """Register one pair. Example inputs need only the right rank, dtype and device."""
+        """Register one pair. Example inputs need only the right rank, dtype and device.
+        `into` picks another `PatternMatcherPass` than `self.patterns` (for passes that apply
+        groups of patterns in order). Identical patterns (e.g. from two dtypes) count once."""
         pm.register_replacement(
             pattern,
             replacement,
             example_inputs,
-            pm.fwd_only,
-            self.patterns,
+            trace_pattern,
+            into if into is not None else self.patterns,
             extra_check=extra_check or (lambda match: True),
             scalar_workaround=scalar_workaround or {},
+            skip_duplicates=True,
         )
 
     def run(self, graph: torch.fx.Graph) -> int:
         return self.patterns.apply(graph)
+
+
+def trace_pattern(fn: Callable, args, **kwargs) -> torch.fx.GraphModule:
+    """Trace a pattern to aten ops the way the graphs it is matched against look: Inductor's
+    decompositions, then no-op elimination (which runs first in both stages)."""
+    from compilelm.passes.noop_elimination import NoOpEliminationPass
+
+    gm = pm.fwd_only(fn, args, run_functional_passes=False, **kwargs)
+    NoOpEliminationPass().run(gm.graph)
+    gm.recompile()
+    return gm
 
 
 def pass_uuid(cls: type, config: dict[str, Any]) -> str:

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, fields
 class PassConfig:
     eliminate_noops: bool = True  # NoOpEliminationPass: reshape chains, identity views/slices
     lower_inplace: bool = True  # InplaceLoweringPass: functional op -> in-place kernel, late
+    fuse_rope_attention: bool = True  # RopeAttentionFusionPass: (QK-norm +) RoPE + attention -> one op
 
     def __post_init__(self):
         for f in fields(self):

@@ -7,6 +7,9 @@ Order (documented, fixed):
     post-grad (per piece):           NoOpElimination, <fusions>, <custom post-grad>,
                                      then always the tail: Cleanup, InplaceLowering, Cleanup
 
+Custom passes ("module:Class", optionally ",stage=whole_graph|post_grad" and ",before=Pass" or
+",after=Pass") go at the end of their stage, or next to the named pass.
+
 Fusions target functional ops; the tail turns them into in-place kernels once, at the very end
 (no pass may run after it). `uuid()` combines every pass's uuid, so editing any pass — or
 switching one on — changes Inductor's cache key and compilelm's compile cache key.
@@ -36,12 +39,32 @@ class PassManager(CustomGraphPass):
             self.whole_graph.append(NoOpEliminationPass(config))
             self.post_grad.append(NoOpEliminationPass(config))
         # Fusion passes are appended here, in order, each behind its PassConfig switch.
+        if config.fuse_rope_attention:
+            from compilelm.passes.fuse_rope_attention import RopeAttentionFusionPass
+            self.whole_graph.append(RopeAttentionFusionPass(config))
         for spec in custom_passes:
-            p = load_pass(spec)(config)
-            (self.whole_graph if p.stage == "whole_graph" else self.post_grad).append(p)
+            self._add_custom(spec)
         self.tail: list[CompilePass] = [CleanupPass(config)]
         if config.lower_inplace:
             self.tail += [InplaceLoweringPass(config), CleanupPass(config)]
+
+    def _add_custom(self, spec: str) -> None:
+        """Custom pass "module:Class[,stage=...][,before=Pass|after=Pass]": by default at the end
+        of its class's stage, else next to the named pass of that stage."""
+        path, stage, where = parse_pass_spec(spec)
+        p = load_pass(path)(self.config)
+        p.stage = stage or p.stage
+        passes = self.whole_graph if p.stage == "whole_graph" else self.post_grad
+        if where is None:
+            passes.append(p)
+            return
+        side, anchor = where
+        names = [q.name for q in passes]
+        if anchor not in names:
+            raise ValueError(f"custom_passes: {spec!r}: no pass {anchor!r} in the {p.stage} stage "
+                             f"(it has: {', '.join(names) or 'none'})")
+        i = names.index(anchor) if side == "before" else len(names) - names[::-1].index(anchor)
+        passes.insert(i, p)
 
     @property
     def passes(self) -> list[CompilePass]:
@@ -72,6 +95,30 @@ class PassManager(CustomGraphPass):
         """Pass name -> uuid, for the cache-key factors and the report."""
         stages = (("whole_graph", self.whole_graph), ("post_grad", self.post_grad + self.tail))
         return {f"{stage}.{p.name}": p.uuid() for stage, passes in stages for p in passes}
+
+
+STAGES = ("whole_graph", "post_grad")
+
+
+def parse_pass_spec(spec: str) -> tuple[str, str | None, tuple[str, str] | None]:
+    """"pkg.mod:Class,stage=post_grad,after=NoOpEliminationPass" -> (path, stage, ("after", name))."""
+    if not isinstance(spec, str):
+        raise ValueError(f"custom_passes entries must be strings, got {spec!r}")
+    path, *options = [part.strip() for part in spec.split(",")]
+    stage, where = None, None
+    for opt in options:
+        key, sep, value = opt.partition("=")
+        if not sep or not value or key not in ("stage", "before", "after"):
+            raise ValueError(f"custom_passes: {spec!r}: options are stage=..., before=Pass or after=Pass, got {opt!r}")
+        if key == "stage":
+            if value not in STAGES:
+                raise ValueError(f"custom_passes: {spec!r}: stage must be one of {', '.join(STAGES)}, got {value!r}")
+            stage = value
+        elif where is not None:
+            raise ValueError(f"custom_passes: {spec!r}: give one of before=/after=")
+        else:
+            where = (key, value)
+    return path, stage, where
 
 
 def load_pass(spec: str) -> type[CompilePass]:
