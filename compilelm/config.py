@@ -70,12 +70,15 @@ class EngineConfig:
     scheduler: SchedulerConfig | None = None  # None = defaults with max_model_len resolved
     compilation: object | None = None  # compilelm.graphs.CompileConfig; None = eager
     model_overrides: tuple[tuple[str, object], ...] = ()  # e.g. (("num_hidden_layers", 2),) for dummy
+    quantization: str | None = None  # "fp8": W8A8 linears (compilelm/layers/quantization)
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(sorted(set(_DTYPES)))}; got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
@@ -94,5 +97,8 @@ class EngineConfig:
     def cache_key_factors(self, model_config) -> dict:
         """What can change the compiled code of this engine's model: the compile cache key's
         engine and model part (`compilelm compile` and the engine must compute it the same way)."""
-        return {"dtype": str(self.torch_dtype()), "device": self.torch_device().type,
-                "block_size": self.cache.block_size, "model": model_config.to_dict()}
+        factors = {"dtype": str(self.torch_dtype()), "device": self.torch_device().type,
+                   "block_size": self.cache.block_size, "model": model_config.to_dict()}
+        if self.quantization is not None:  # absent when None: unquantized keys stay as they were
+            factors["quantization"] = self.quantization
+        return factors

@@ -35,7 +35,7 @@ def load_model(config):
     source = resolve_model(config.model)
     model_config = load_model_config(source, dict(config.model_overrides))
     torch.manual_seed(config.seed)
-    model = build_model(source, model_config, config.torch_dtype(), config.torch_device())
+    model = build_model(source, model_config, config.torch_dtype(), config.torch_device(), config.quantization)
     return model, config.cache_key_factors(model_config)
 
 

@@ -23,7 +23,8 @@ CUDAGRAPH_MODES = ("none", "piecewise", "full", "full_and_piecewise")
 # the "passes" dict of level 1.
 _LEVEL_DEFAULTS: dict[int, dict] = {
     0: {"cudagraph_mode": "none"},
-    1: {"cudagraph_mode": "piecewise", "passes": {"fuse_rope_attention": False}},
+    1: {"cudagraph_mode": "piecewise",
+        "passes": {"fuse_rope_attention": False, "fuse_norm_quant": False, "fuse_act_quant": False}},
     2: {},
     3: {"compile_sizes": (1, 2, 4, 8), "max_autotune": True},
 }

@@ -19,6 +19,8 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=No
 
 
 class Linear(nn.Module):
+    quant_method = None  # set by compilelm.layers.quantization after loading (e.g. Fp8LinearMethod)
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -26,6 +28,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -125,7 +125,9 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
                 p.copy_(torch.empty(p.shape).normal_(0.0, 0.02, generator=gen).to(p.dtype))
 
 
-def build_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def build_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                quantization: str | None = None) -> nn.Module:
+    """`quantization="fp8"` quantizes the linears after loading (FP8 checkpoints are read as such)."""
     cls = get_model_class(config)
     with torch.device("meta"):
         model = cls(config)
@@ -144,5 +146,12 @@ def build_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype, de
         reader = open_gguf(source.path)
         load_weights(model, iterate_gguf_weights(reader, config), total=len(reader.tensors))
     else:
-        load_weights(model, _iterate_safetensors(source.path))
+        from compilelm.layers.quantization import checkpoint_quantization, dequantize_fp8_weights
+        weights = _iterate_safetensors(source.path)
+        if checkpoint_quantization(source.path) is not None:  # fp8 on disk: dequantized while loading
+            weights = dequantize_fp8_weights(model, weights)
+        load_weights(model, weights)
+    if quantization is not None:
+        from compilelm.layers.quantization import quantize_model
+        quantize_model(model, quantization)
     return model.eval()

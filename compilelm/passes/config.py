@@ -14,6 +14,8 @@ class PassConfig:
     eliminate_noops: bool = True  # NoOpEliminationPass: reshape chains, identity views/slices
     lower_inplace: bool = True  # InplaceLoweringPass: functional op -> in-place kernel, late
     fuse_rope_attention: bool = True  # RopeAttentionFusionPass: (QK-norm +) RoPE + attention -> one op
+    fuse_norm_quant: bool = True  # RMSNormQuantFusionPass: (add +) rms_norm + fp8 quant -> one op
+    fuse_act_quant: bool = True  # SiluMulQuantFusionPass: silu_and_mul + fp8 quant -> one op
 
     def __post_init__(self):
         for f in fields(self):

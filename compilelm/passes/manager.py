@@ -42,6 +42,12 @@ class PassManager(CustomGraphPass):
         if config.fuse_rope_attention:
             from compilelm.passes.fuse_rope_attention import RopeAttentionFusionPass
             self.whole_graph.append(RopeAttentionFusionPass(config))
+        if config.fuse_norm_quant:
+            from compilelm.passes.fuse_rms_quant import RMSNormQuantFusionPass
+            self.post_grad.append(RMSNormQuantFusionPass(config))
+        if config.fuse_act_quant:
+            from compilelm.passes.fuse_act_quant import SiluMulQuantFusionPass
+            self.post_grad.append(SiluMulQuantFusionPass(config))
         for spec in custom_passes:
             self._add_custom(spec)
         self.tail: list[CompilePass] = [CleanupPass(config)]

@@ -65,7 +65,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.device, self.dtype = config.torch_device(), config.torch_dtype()
         self.tokenizer = load_tokenizer(self.source)
-        model = build_model(self.source, self.model_config, self.dtype, self.device)
+        model = build_model(self.source, self.model_config, self.dtype, self.device, config.quantization)
         logger.info("weights loaded: %s (%s, %s) in %.1f s", self.source.name, self.dtype, self.device,
                     time.perf_counter() - t0)
         num_blocks = self._num_kv_blocks()

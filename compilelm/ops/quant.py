@@ -1,0 +1,121 @@
+"""FP8 (float8_e4m3fn) quantization ops, alone and fused with the op that produces their input.
+
+Every op is functional (new tensors out, nothing mutated), declared with
+`torch.library.custom_op` in the `compilelm` namespace with a fake impl for tracing. The CPU
+implementations are composed of torch ops and are bit-identical to running the unfused ops one
+after the other (the `*_ref` functions), which is what the fusion passes rely on: a fused graph
+computes exactly what the unfused one did. CUDA kernels can replace the implementations later
+without changing a schema.
+
+Scales follow vLLM: x ~= q.float() * scale.
+    per token:  scale: [num_tokens, 1] fp32 = max(amax(|x|, -1) / 448, 1 / (448 * 512))
+    static:     scale: [1] fp32, given (calibrated offline)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # keeps all-zero rows finite (vLLM's floor)
+
+
+# -- plain-torch references (the unfused computation, op by op) ------------------------------
+
+def quant_fp8_per_token_ref(x: Tensor) -> tuple[Tensor, Tensor]:
+    # x: [num_tokens, hidden] -> q: fp8 [num_tokens, hidden], scale: fp32 [num_tokens, 1]
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def quant_fp8_static_ref(x: Tensor, scale: Tensor) -> Tensor:
+    # scale: fp32 [1]
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _quant(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor]:
+    if scale is None:
+        return quant_fp8_per_token_ref(x)
+    return quant_fp8_static_ref(x, scale), scale.clone()  # a new tensor: outputs may not alias inputs
+
+
+def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # The arithmetic of compilelm.layers.layernorm.rms_norm (normalize in fp32, scale in x's dtype).
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def silu_mul_ref(x: Tensor) -> Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+# -- the ops ---------------------------------------------------------------------------------
+
+@torch.library.custom_op("compilelm::quant_fp8_per_token", mutates_args=())
+def quant_fp8_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Dynamic per-token quantization: one scale per row."""
+    return quant_fp8_per_token_ref(x)
+
+
+@quant_fp8_per_token.register_fake
+def _(x):
+    return x.new_empty(x.shape, dtype=FP8_DTYPE), x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+
+
+@torch.library.custom_op("compilelm::quant_fp8_static", mutates_args=())
+def quant_fp8_static(x: Tensor, scale: Tensor) -> Tensor:
+    """Static per-tensor quantization with a calibrated scale."""
+    return quant_fp8_static_ref(x, scale)
+
+
+@quant_fp8_static.register_fake
+def _(x, scale):
+    return x.new_empty(x.shape, dtype=FP8_DTYPE)
+
+
+@torch.library.custom_op("compilelm::rms_norm_quant_fp8", mutates_args=())
+def rms_norm_quant_fp8(x: Tensor, weight: Tensor, eps: float, scale: Tensor | None) -> tuple[Tensor, Tensor]:
+    """quant(rms_norm(x)): scale=None -> per token, else static. Returns (q, scale)."""
+    return _quant(rms_norm_ref(x, weight, eps), scale)
+
+
+@rms_norm_quant_fp8.register_fake
+def _(x, weight, eps, scale):
+    return x.new_empty(x.shape, dtype=FP8_DTYPE), x.new_empty(_scale_shape(x, scale), dtype=torch.float32)
+
+
+@torch.library.custom_op("compilelm::fused_add_rms_norm_quant_fp8", mutates_args=())
+def fused_add_rms_norm_quant_fp8(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                                 scale: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """residual = x + residual; (quant(rms_norm(residual)), residual). Returns (q, scale, residual)."""
+    residual = x + residual
+    q, s = _quant(rms_norm_ref(residual, weight, eps), scale)
+    return q, s, residual
+
+
+@fused_add_rms_norm_quant_fp8.register_fake
+def _(x, residual, weight, eps, scale):
+    return (x.new_empty(x.shape, dtype=FP8_DTYPE), x.new_empty(_scale_shape(x, scale), dtype=torch.float32),
+            torch.empty_like(x))
+
+
+@torch.library.custom_op("compilelm::silu_mul_quant_fp8", mutates_args=())
+def silu_mul_quant_fp8(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor]:
+    """quant(silu(gate) * up), x: [num_tokens, 2 * d] -> q: fp8 [num_tokens, d]. Returns (q, scale)."""
+    return _quant(silu_mul_ref(x), scale)
+
+
+@silu_mul_quant_fp8.register_fake
+def _(x, scale):
+    shape = (*x.shape[:-1], x.shape[-1] // 2)
+    return x.new_empty(shape, dtype=FP8_DTYPE), x.new_empty(_scale_shape(x, scale), dtype=torch.float32)
+
+
+def _scale_shape(x: Tensor, scale: Tensor | None):
+    return (*x.shape[:-1], 1) if scale is None else scale.shape
