@@ -1,0 +1,212 @@
+"""Decode step time on one GPU: compilelm vs the memory roofline vs Hugging Face static cache.
+
+A decode step must read every weight once (the embedding table only for the rows it uses) and
+each sequence's KV cache once, so bytes / bandwidth is its floor; we give it over the H100's
+3.35 TB/s and over the copy bandwidth measured here (a device-to-device copy, read + write).
+
+compilelm: `batch` requests with random `context`-token prompts are prefilled, then single
+`engine.step()` calls are timed while every request decodes (median; each step ends with the
+sampled ids on the host, so a step's time is wall time). Hugging Face: the same preset built with
+random weights, `generate` with a static cache (auto-compiled with torch.compile where
+`--hf-compile-batches` says, else `disable_compile`), timed as t(N_long) - t(N_short) per token
+so prefill cancels out.
+
+    python benchmarks/bench_decode.py [--models ...] [--batches 1 64] [--context 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import print_table, write_result  # noqa: E402
+
+H100_BANDWIDTH = 3.35e12
+TARGETS_MS = {("dummy:llama-3.1-8b", 1): 6.0, ("dummy:llama-3.1-8b", 64): 8.8, ("dummy:smollm2-135m", 1): 0.6}
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 1 GiB device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.empty(2**29, dtype=torch.int16, device="cuda").random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 2 * 20 / (start.elapsed_time(end) / 1e3)
+
+
+def step_bytes(model_config, model, batch: int, context: int) -> int:
+    """Weights read by one decode step (no embedding table unless it is also the LM head) + KV."""
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                  if "embed_tokens" not in n or model_config.tie_word_embeddings)
+    mc = model_config
+    kv_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 2  # bf16
+    return weights + batch * context * kv_per_token
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=g).tolist()
+
+
+def time_ours(engine, batch: int, context: int, steps: int) -> tuple[float, float | None]:
+    """Median ms of one engine step while `batch` requests decode at ~`context` tokens, and the
+    mean GPU ms of the forward's CUDA graph replayed alone (the rest is host work and sampling)."""
+    from compilelm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    ids = [engine.add_request(None, p, params) for p in prompts(batch, context, engine.model_config.vocab_size, batch)]
+    produced = {}
+    while len(produced) < batch or min(produced.values()) < 3:  # prefill done, decoding warmed up
+        for out in engine.step():
+            produced[out.request_id] = len(out.outputs[0].token_ids)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    graph_ms = None
+    graphs = engine.model_runner.cuda_graphs
+    size = graphs.padded_size(batch) if graphs else None
+    if size is not None:  # GPU time of the decode graph alone, on the last step's inputs
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            graphs.replay(size)
+        end.record()
+        torch.cuda.synchronize()
+        graph_ms = start.elapsed_time(end) / steps
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return statistics.median(times) * 1e3, graph_ms
+
+
+def hf_model(preset: str):
+    import transformers
+
+    from compilelm.models.config import DUMMY_PRESETS
+
+    cfg = dict(DUMMY_PRESETS[preset.split(":", 1)[1]])
+    arch = cfg.pop("architectures")[0]
+    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**cfg)
+    with torch.device("cuda"):
+        model = getattr(transformers, arch)._from_config(config, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def time_hf(model, batch: int, context: int, compile_: bool, n_short: int = 8, n_long: int = 40) -> float:
+    """ms per decode token of `generate` with a static cache (same cache length for every call,
+    so a compiled forward is reused)."""
+    from transformers import StaticCache
+
+    ids = torch.tensor(prompts(batch, context, model.config.vocab_size, batch), device="cuda")
+
+    def run(n: int) -> float:
+        cache = StaticCache(config=model.config, max_cache_len=context + n_long)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                                 max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                                 disable_compile=not compile_)
+        torch.cuda.synchronize()
+        assert out.shape[1] == context + n
+        return time.perf_counter() - t0
+
+    run(n_short)  # warm-up (compiles)
+    run(n_short)
+    return (run(n_long) - run(n_short)) / (n_long - n_short) * 1e3
+
+
+def bench_model(name: str, args, bandwidth: float, rows: list, save) -> None:
+    from compilelm import LLM
+
+    max_batch = max(args.batches)
+    t0 = time.perf_counter()
+    llm = LLM(model=name, dtype="bfloat16", max_model_len=args.context + args.steps + 64, max_num_seqs=max_batch,
+              max_num_batched_tokens=8192,
+              compilation_config={"cache_dir": args.cache_dir} if args.cache_dir else None)
+    startup = time.perf_counter() - t0
+    engine = llm.engine
+    graphs = engine.model_runner.cuda_graphs
+    graph_mib = graphs.memory_bytes / 2**20 if graphs else None
+    base = []
+    for batch in args.batches:
+        ms, graph_ms = time_ours(engine, batch, args.context, args.steps)
+        nbytes = step_bytes(engine.model_config, engine.model_runner.model, batch, args.context)
+        row = dict(model=name, batch=batch, context=args.context, ours_ms=ms, graph_replay_ms=graph_ms,
+                   roofline_ms=nbytes / H100_BANDWIDTH * 1e3, roofline_measured_ms=nbytes / bandwidth * 1e3,
+                   target_ms=TARGETS_MS.get((name, batch)), startup_s=startup, graph_mib=graph_mib)
+        row["pct_of_measured_roofline"] = 100 * row["roofline_measured_ms"] / ms
+        base.append(row)
+        print(f"{name} batch {batch}: {ms:.3f} ms/step (graph replay {graph_ms} ms)", flush=True)
+    rows.extend(base)
+    save()
+    del llm, engine, graphs
+    gc.collect()
+    torch.cuda.empty_cache()
+    if not args.no_hf:
+        model = hf_model(name)
+        for row in base:
+            compile_ = row["batch"] in args.hf_compile_batches
+            key = "hf_static_compile_ms" if compile_ else "hf_static_eager_ms"
+            try:
+                row[key] = time_hf(model, row["batch"], args.context, compile_)
+                row["speedup_vs_hf"] = row[key] / row["ours_ms"]
+                row["hf_mode"] = "static+compile" if compile_ else "static eager"
+            except Exception as e:  # report, keep our numbers
+                row["hf_error"] = f"{type(e).__name__}: {e}"[:300]
+            print(f"HF {name} batch {row['batch']}: {row.get(key)} ms/token", flush=True)
+            save()
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["dummy:smollm2-135m", "dummy:llama-3.1-8b"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--hf-compile-batches", type=int, nargs="*", default=[1, 64])
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--cache-dir", default=None, help="compile cache (default: compilelm's)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_decode needs a CUDA GPU")
+    bandwidth = copy_bandwidth()
+    rows: list[dict] = []
+    payload = dict(copy_bandwidth_tb_s=bandwidth / 1e12, h100_bandwidth_tb_s=H100_BANDWIDTH / 1e12,
+                   args=vars(args), rows=rows)
+    save = lambda: write_result("bench_decode", payload, args.out)  # noqa: E731 (partial results survive)
+    for name in args.models:
+        try:
+            bench_model(name, args, bandwidth, rows, save)
+        except Exception as e:
+            rows.append(dict(model=name, error=f"{type(e).__name__}: {e}"[:500]))
+            print(f"{name}: FAILED {rows[-1]['error']}", flush=True)
+    path = save()
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
+    print_table(rows, ["model", "batch", "ours_ms", "graph_replay_ms", "roofline_ms", "roofline_measured_ms", "pct_of_measured_roofline",
+                       "target_ms", "hf_mode", "hf_static_compile_ms", "hf_static_eager_ms", "speedup_vs_hf"])
+    print(f"wrote {path}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
