@@ -13,33 +13,10 @@
 #include <cstring>
 
 #include "cpu/cpu_ops.h"
+#include "op_checks.h"
 
 namespace compilelm::cpu {
 
-namespace {
-
-void check_source(const at::Tensor& src, const char* name, const at::Tensor& cache) {
-  TORCH_CHECK(src.device().is_cpu(), name, " must be a CPU tensor, got ", src.device());
-  TORCH_CHECK(src.dim() == 3, name, " must be [num_tokens, num_kv_heads, head_size], got ", src.sizes());
-  TORCH_CHECK(src.scalar_type() == cache.scalar_type(), name, " dtype ", src.scalar_type(),
-              " must match the cache dtype ", cache.scalar_type());
-  TORCH_CHECK(src.size(1) == cache.size(2) && src.size(2) == cache.size(3), name, " shape ",
-              src.sizes(), " does not match cache shape ", cache.sizes());
-  TORCH_CHECK(src.stride(2) == 1 && src.stride(1) == src.size(2),
-              name, " must be contiguous within a token (strides ", src.strides(), ")");
-}
-
-void check_cache(const at::Tensor& cache, const char* name) {
-  TORCH_CHECK(cache.device().is_cpu(), name, " must be a CPU tensor, got ", cache.device());
-  TORCH_CHECK(cache.dim() == 4, name, " must be [num_blocks, block_size, num_kv_heads, head_size], got ",
-              cache.sizes());
-  TORCH_CHECK(cache.is_contiguous(), name, " must be contiguous");
-  const auto dtype = cache.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, name,
-              " must be float32, bfloat16 or float16, got ", dtype);
-}
-
-}  // namespace
 
 void reshape_and_cache(
     const at::Tensor& key,
@@ -47,21 +24,8 @@ void reshape_and_cache(
     at::Tensor& key_cache,
     at::Tensor& value_cache,
     const at::Tensor& slot_mapping) {
-  check_cache(key_cache, "key_cache");
-  check_cache(value_cache, "value_cache");
-  TORCH_CHECK(key_cache.sizes() == value_cache.sizes() &&
-                  key_cache.scalar_type() == value_cache.scalar_type(),
-              "key_cache and value_cache must have the same shape and dtype, got ", key_cache.sizes(),
-              " ", key_cache.scalar_type(), " vs ", value_cache.sizes(), " ", value_cache.scalar_type());
-  check_source(key, "key", key_cache);
-  check_source(value, "value", value_cache);
-  TORCH_CHECK(key.size(0) == value.size(0), "key and value must have the same number of tokens, got ",
-              key.size(0), " and ", value.size(0));
-  TORCH_CHECK(slot_mapping.device().is_cpu(), "slot_mapping must be a CPU tensor");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64, got ",
-              slot_mapping.scalar_type());
-  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0),
-              "slot_mapping must be [num_tokens] = [", key.size(0), "], got ", slot_mapping.sizes());
+  TORCH_CHECK(key_cache.device().is_cpu(), "key_cache must be a CPU tensor, got ", key_cache.device());
+  check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping);
 
   const int64_t num_tokens = key.size(0);
   const int64_t num_slots = key_cache.size(0) * key_cache.size(1);

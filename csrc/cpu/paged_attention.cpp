@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "cpu/cpu_ops.h"
+#include "op_checks.h"
 #include "cpu/vec.h"
 
 namespace compilelm::cpu {
@@ -200,23 +201,6 @@ void run_item(const WorkItem& w, const Problem& p, const scalar_t* query, const 
   }
 }
 
-void check_index(const at::Tensor& t, const char* name, int64_t dim) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dims, got ", t.sizes());
-}
-
-void check_cache(const at::Tensor& cache, const char* name, const at::Tensor& query) {
-  TORCH_CHECK(cache.device().is_cpu(), name, " must be a CPU tensor, got ", cache.device());
-  TORCH_CHECK(cache.dim() == 4, name, " must be [num_blocks, block_size, num_kv_heads, head_size], got ",
-              cache.sizes());
-  TORCH_CHECK(cache.is_contiguous(), name, " must be contiguous");
-  TORCH_CHECK(cache.scalar_type() == query.scalar_type(), name, " dtype ", cache.scalar_type(),
-              " must match the query dtype ", query.scalar_type());
-  TORCH_CHECK(cache.size(3) == query.size(2), name, " head_size ", cache.size(3),
-              " must match the query head_size ", query.size(2));
-}
-
 // Checks the batch description against the cache and lists the work items.
 std::vector<WorkItem> plan(const Problem& p, int64_t num_seqs, int64_t num_tokens, int64_t num_blocks) {
   const int32_t* cu = p.cu_seqlens_q;
@@ -258,28 +242,10 @@ at::Tensor paged_attention(
     const at::Tensor& block_tables,
     double scale) {
   TORCH_CHECK(query.device().is_cpu(), "query must be a CPU tensor, got ", query.device());
-  TORCH_CHECK(query.dim() == 3, "query must be [num_tokens, num_heads, head_size], got ", query.sizes());
-  const auto dtype = query.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "query must be float32, bfloat16 or float16, got ", dtype);
-  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2),
-              "query must be contiguous within a token (strides ", query.strides(), ")");
-  check_cache(key_cache, "key_cache", query);
-  check_cache(value_cache, "value_cache", query);
-  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key_cache ", key_cache.sizes(),
-              " and value_cache ", value_cache.sizes(), " must have the same shape");
+  check_paged_attention_args(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables);
   const int64_t num_heads = query.size(1);
   const int64_t num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads (", num_heads,
-              ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
-  check_index(cu_seqlens_q, "cu_seqlens_q", 1);
-  check_index(seq_lens, "seq_lens", 1);
-  check_index(block_tables, "block_tables", 2);
   const int64_t num_seqs = seq_lens.size(0);
-  TORCH_CHECK(cu_seqlens_q.size(0) == num_seqs + 1, "cu_seqlens_q must be [num_seqs + 1] = [",
-              num_seqs + 1, "], got ", cu_seqlens_q.sizes());
-  TORCH_CHECK(block_tables.size(0) == num_seqs, "block_tables must have num_seqs = ", num_seqs,
-              " rows, got ", block_tables.sizes());
 
   const auto cu = cu_seqlens_q.contiguous();
   const auto lens = seq_lens.contiguous();
@@ -307,7 +273,7 @@ at::Tensor paged_attention(
                 (num_tokens - num_rows) * row_elems * out.element_size());
   }
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "paged_attention", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
     const scalar_t* q = query.const_data_ptr<scalar_t>();
     const scalar_t* k = key_cache.const_data_ptr<scalar_t>();
     const scalar_t* v = value_cache.const_data_ptr<scalar_t>();

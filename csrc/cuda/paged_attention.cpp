@@ -18,28 +18,9 @@
 
 #include "cuda/cuda_ops.h"
 #include "cuda/launchers.h"
+#include "op_checks.h"
 
 namespace compilelm::cuda {
-namespace {
-
-void check_index(const at::Tensor& t, const char* name, int64_t dim, const at::Tensor& query) {
-  TORCH_CHECK(t.device() == query.device(), name, " must be on ", query.device(), ", got ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dims, got ", t.sizes());
-}
-
-void check_cache(const at::Tensor& cache, const char* name, const at::Tensor& query) {
-  TORCH_CHECK(cache.device() == query.device(), name, " must be on ", query.device(), ", got ", cache.device());
-  TORCH_CHECK(cache.dim() == 4, name, " must be [num_blocks, block_size, num_kv_heads, head_size], got ",
-              cache.sizes());
-  TORCH_CHECK(cache.is_contiguous(), name, " must be contiguous");
-  TORCH_CHECK(cache.scalar_type() == query.scalar_type(), name, " dtype ", cache.scalar_type(),
-              " must match the query dtype ", query.scalar_type());
-  TORCH_CHECK(cache.size(3) == query.size(2), name, " head_size ", cache.size(3),
-              " must match the query head_size ", query.size(2));
-}
-
-}  // namespace
 
 at::Tensor paged_attention(
     const at::Tensor& query,
@@ -50,31 +31,14 @@ at::Tensor paged_attention(
     const at::Tensor& block_tables,
     double scale) {
   TORCH_CHECK(query.is_cuda(), "query must be a CUDA tensor, got ", query.device());
-  TORCH_CHECK(query.dim() == 3, "query must be [num_tokens, num_heads, head_size], got ", query.sizes());
-  const auto dtype = query.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "query must be float32, bfloat16 or float16, got ", dtype);
-  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2),
-              "query must be contiguous within a token (strides ", query.strides(), ")");
+  check_paged_attention_args(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables);
   TORCH_CHECK(query.stride(0) * query.element_size() % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(query.const_data_ptr()) % 16 == 0,
               "query rows must be 16-byte aligned (token stride ", query.stride(0), ")");
-  check_cache(key_cache, "key_cache", query);
-  check_cache(value_cache, "value_cache", query);
-  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key_cache ", key_cache.sizes(),
-              " and value_cache ", value_cache.sizes(), " must have the same shape");
   const int64_t num_heads = query.size(1);
   const int64_t num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads (", num_heads,
-              ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
-  check_index(cu_seqlens_q, "cu_seqlens_q", 1, query);
-  check_index(seq_lens, "seq_lens", 1, query);
-  check_index(block_tables, "block_tables", 2, query);
   const int64_t num_seqs = seq_lens.size(0);
-  TORCH_CHECK(cu_seqlens_q.size(0) == num_seqs + 1, "cu_seqlens_q must be [num_seqs + 1] = [",
-              num_seqs + 1, "], got ", cu_seqlens_q.sizes());
-  TORCH_CHECK(block_tables.size(0) == num_seqs, "block_tables must have num_seqs = ", num_seqs,
-              " rows, got ", block_tables.sizes());
+  const auto dtype = query.scalar_type();
   TORCH_CHECK(query.size(2) == 64 || query.size(2) == 128 || query.size(2) == 256,
               "paged_attention on CUDA supports head_size 64, 128 and 256, got ", query.size(2));
   TORCH_CHECK(query.numel() < (int64_t{1} << 31) && key_cache.size(0) * key_cache.size(1) < (int64_t{1} << 31),
