@@ -76,8 +76,8 @@ class ModelRunner:
         fn = compile_model(self.model, compilation, config.cache_key_factors(self.model.config))
         from compilelm.graphs import compile_counters, default_cache_dir
         c = compile_counters
-        logger.info("compiled (-O%d) in %.1f s: %d pieces, %d Inductor compiles, %d loaded from the "
-                    "compile cache at %s", compilation.level, time.perf_counter() - t0, c.pieces,
+        logger.info("compiled (-O%d) in %.1f s: %d Inductor compiles, %d artifacts loaded from the "
+                    "compile cache at %s", compilation.level, time.perf_counter() - t0,
                     c.inductor_compiles, c.artifacts_loaded, compilation.cache_dir or default_cache_dir())
         return fn
 
