@@ -152,10 +152,8 @@ def main() -> None:
     for bs, row in result["decode_tok_s"].items():
         hf = f"{row['hf']:10.1f}" if "hf" in row else f"{'-':>10}"
         print(f"{bs:>5} {row['compiled']:10.1f} {row['eager']:10.1f} {hf} {row['compiled_vs_eager']:15.2f}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"\nwrote {args.out}")
+    from benchmarks.common import write_result  # records machine, torch version and commit
+    print(f"\nwrote {write_result('bench_compile', result, args.out)}")
 
 
 if __name__ == "__main__":
