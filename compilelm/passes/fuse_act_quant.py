@@ -16,8 +16,7 @@ import torch
 
 from compilelm.layers.activation import SiluAndMul
 from compilelm.ops import quant as _quant_ops  # noqa: F401  (registers the ops the patterns use)
-from compilelm.passes.base import FusionPass
-from compilelm.passes.fuse_rms_quant import has_fp8_quant
+from compilelm.passes.fuse_rms_quant import Fp8FusionPass
 
 ops = torch.ops.compilelm
 _silu_and_mul = SiluAndMul()  # no parameters: the model's own forward is the pattern
@@ -41,11 +40,7 @@ def replace_silu_mul_quant_static(x, scale):
     return ops.silu_mul_quant_fp8.default(x, scale)[0]
 
 
-class SiluMulQuantFusionPass(FusionPass):
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        if has_fp8_quant(graph):  # a model without fp8 layers: nothing to fuse, no record, no dump
-            super().__call__(graph)
-
+class SiluMulQuantFusionPass(Fp8FusionPass):
     def register(self):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             x, s = torch.empty(4, 32, dtype=dtype), torch.empty(1)

@@ -33,6 +33,15 @@ def has_fp8_quant(graph: torch.fx.Graph) -> bool:
     return any(n.op == "call_function" and n.target in QUANT_OPS for n in graph.nodes)
 
 
+class Fp8FusionPass(FusionPass):
+    """A fusion into fp8 quant ops: a graph without any (an unquantized model) is skipped, so it
+    gets no match record and no dump."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if has_fp8_quant(graph):
+            super().__call__(graph)
+
+
 def pattern_fused_add_rms_norm_quant_per_token(x, residual, weight, eps):
     residual = x + residual
     q, scale = ops.quant_fp8_per_token.default(rms_norm(residual, weight, eps))
@@ -72,11 +81,7 @@ def replace_rms_norm_quant_static(x, weight, scale, eps):
     return ops.rms_norm_quant_fp8.default(x, weight, eps, scale)[0]
 
 
-class RMSNormQuantFusionPass(FusionPass):
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        if has_fp8_quant(graph):  # a model without fp8 layers: nothing to fuse, no record, no dump
-            super().__call__(graph)
-
+class RMSNormQuantFusionPass(Fp8FusionPass):
     def register(self):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             x, w, s = torch.empty(4, 16, dtype=dtype), torch.empty(16, dtype=dtype), torch.empty(1)

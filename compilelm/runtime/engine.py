@@ -47,7 +47,7 @@ class _Parent:
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[_Child] = field(default_factory=list)
-    num_finished: int = 0
+    prompt_counted: bool = False  # prompt tokens entered the metrics (even if a prefix-cache hit)
 
 
 class LLMEngine:
@@ -129,14 +129,14 @@ class LLMEngine:
         parent = _Parent(request_id, text, token_ids)
         for i in range(params.n):
             child_params = params
-            if params.n > 1:
+            add_eos_ids = bool(self.extra_eos_ids) and not params.ignore_eos
+            if params.n > 1 or add_eos_ids:
                 child_params = params.clone()
                 child_params.n = 1
-                if params.seed is not None:
+                if params.n > 1 and params.seed is not None:
                     child_params.seed = params.seed + i
-            if self.extra_eos_ids and not child_params.ignore_eos:
-                child_params = child_params.clone()
-                child_params.stop_token_ids = list(child_params.stop_token_ids) + self.extra_eos_ids
+                if add_eos_ids:
+                    child_params.stop_token_ids += self.extra_eos_ids
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(child_id, token_ids, child_params, self.eos_token_id, arrival_time)
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
@@ -191,9 +191,11 @@ class LLMEngine:
                 child = self._children[rid][1]
                 for pos, lists in entries:
                     child.prompt_logprobs[pos] = detokenize_logprobs(self.tokenizer, lists)
-        for sr in sched_out.scheduled:
-            if sr.num_computed_tokens == 0 and sr.request.num_preemptions == 0:
-                self.num_prompt_tokens_total += sr.request.num_prompt_tokens
+        for sr in sched_out.scheduled:  # a prompt counts once, when its request first runs
+            parent = self._children.get(sr.request.request_id, (None,))[0]
+            if parent is not None and not parent.prompt_counted:
+                parent.prompt_counted = True
+                self.num_prompt_tokens_total += len(parent.prompt_token_ids)
         updated = self.scheduler.update_from_output(sched_out, tokens)
         self.num_generation_tokens_total += len(tokens)
         if sampler_out is not None:
