@@ -33,6 +33,8 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
 
 
 def _fmt(v) -> str:
+    if v is None:
+        return "-"
     return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
