@@ -11,6 +11,17 @@
    batch / median decode-step time; HF's are from the best of 3 runs.
 
 Prints a table and writes JSON (default benchmarks/results/bench_compile.json). No asserts.
+
+GPU mode (`--device cuda`, the default where CUDA is available): for each model, process start ->
+engine ready (`LLM(...)` returned: weights, compile, KV cache, CUDA graphs captured), cold and warm,
+each in a fresh process. Cold = an empty compile cache dir AND an empty Inductor/Triton cache
+(fresh TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR); warm = a second process with the same dirs.
+Split into: imports (interpreter start, torch, compilelm), weights, Dynamo, passes/lowering
+(AOT + whole-graph passes + split + post-grad passes), Inductor, cache load (warm), CUDA-graph
+capture (+ the KV cache allocation: the ModelRunner's setup minus its compile), other (tokenizer,
+KV sizing, scheduler). The engine does not report these per stage, so the child process times
+`build_model`, `CompiledModel.compile` (its own per-stage `times`) and `ModelRunner.__init__` by
+wrapping them. Targets (135M): cold <= 20 s, warm <= 5 s.
 """
 
 from __future__ import annotations
@@ -55,6 +66,120 @@ def compile_times(model: str) -> dict:
                 raise RuntimeError(proc.stderr[-3000:])
             out[run] = {**json.loads(proc.stdout.strip().splitlines()[-1]), "process_s": time.perf_counter() - t}
     return out
+
+
+TARGETS_S = {"dummy:smollm2-135m": {"cold": 20.0, "warm": 5.0}}
+STAGES = ("imports", "weights", "dynamo", "passes_lowering", "inductor", "cache_load", "capture", "other")
+
+
+def _timed(owner, name: str, record: dict, key: str, keep_self: bool = False) -> None:
+    """Wrap owner.name so that its wall time adds up in record[key] (and, for a method, its
+    `self` is kept in record[key + "_obj"])."""
+    fn = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            record[key] = record.get(key, 0.0) + time.perf_counter() - t
+            if keep_self:
+                record[key + "_obj"] = args[0]
+
+    setattr(owner, name, wrapper)
+
+
+def child_engine(model: str, cache_dir: str, started: float, max_model_len: int | None) -> None:
+    """Runs in a subprocess: build the engine on CUDA, print the startup split as JSON.
+    `started` is the parent's time.time() just before it started this process."""
+    import logging
+
+    import torch
+    import compilelm.models.loader as loader
+
+    record: dict = {}
+    _timed(loader, "build_model", record, "weights")  # before anything imports build_model by name
+    from compilelm.graphs import CompiledModel
+    from compilelm.runtime.model_runner import ModelRunner
+
+    _timed(CompiledModel, "__init__", record, "compile")  # pass manager, cache key
+    _timed(CompiledModel, "compile", record, "compile", keep_self=True)
+    _timed(ModelRunner, "__init__", record, "runner")
+    from compilelm.runtime import cuda_graphs
+    if hasattr(getattr(cuda_graphs, "CUDAGraphRunner", None), "capture"):  # the graphs alone, if captured there
+        _timed(cuda_graphs.CUDAGraphRunner, "capture", record, "graph_capture")
+    log = []
+    handler = logging.Handler()
+    handler.emit = lambda r: log.append(r.getMessage())
+    logging.getLogger("compilelm").addHandler(handler)
+    logging.getLogger("compilelm").setLevel(logging.INFO)
+    from compilelm import LLM
+
+    imported = time.time()
+    t0 = time.perf_counter()
+    cuda = torch.cuda.is_available()  # (CPU only to smoke-test this path)
+    llm = LLM(model, dtype="bfloat16" if cuda else "auto", max_model_len=max_model_len,
+              compilation_config={"cache_dir": cache_dir})
+    if cuda:
+        torch.cuda.synchronize()
+    ready, engine_s = time.time(), time.perf_counter() - t0
+    cm = record.get("compile_obj")
+    times = cm.times if cm else {}
+    compile_s = record.get("compile", 0.0)
+    stages = {"imports": imported - started, "weights": record.get("weights", 0.0),
+              "dynamo": times.get("dynamo", 0.0),
+              "passes_lowering": sum(times.get(k, 0.0) for k in ("aot", "whole_graph_passes", "split", "post_grad_passes")),
+              "inductor": times.get("inductor", 0.0), "cache_load": times.get("load", 0.0),
+              "capture": record.get("runner", 0.0) - compile_s}
+    compile_rest = compile_s - sum(stages[k] for k in ("dynamo", "passes_lowering", "inductor", "cache_load"))
+    stages["other"] = engine_s - stages["weights"] - record.get("runner", 0.0) + max(compile_rest, 0.0)
+    graphs = getattr(llm.engine.model_runner, "cuda_graphs", None)
+    print(json.dumps({"model": model, "mode": cm.mode if cm else None, "ready_s": ready - started, "stages": stages,
+                      "compile_s": compile_s, "compile_times": times, "graph_capture_s": record.get("graph_capture"), "counters": cm.counters if cm else None,
+                      "num_graphs": len(graphs.graphs) if graphs else 0,
+                      "graph_mib": graphs.memory_bytes / 2**20 if graphs else None, "log": log}))
+
+
+def gpu_startup(model: str, max_model_len: int | None) -> dict:
+    """Cold then warm engine startup of `model`, each a fresh process on the same fresh dirs."""
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="compilelm-bench-") as cache_dir:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"),
+                   TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"))
+        for run in ("cold", "warm"):
+            started = time.time()
+            proc = subprocess.run([sys.executable, __file__, "--child-engine", model, cache_dir, repr(started),
+                                   str(max_model_len or 0)], capture_output=True, text=True, cwd=REPO, env=env)
+            if proc.returncode != 0:
+                raise RuntimeError(proc.stderr[-3000:])
+            out[run] = {**json.loads(proc.stdout.strip().splitlines()[-1]), "process_s": time.time() - started}
+            print(f"{model} {run}: ready in {out[run]['ready_s']:.1f} s", flush=True)
+    return out
+
+
+def gpu_main(args) -> None:
+    from benchmarks.common import print_table, write_result
+
+    rows, result = [], {"device": "cuda", "max_model_len": args.max_model_len, "targets_s": TARGETS_S, "models": {}}
+    for model in args.models:
+        try:
+            result["models"][model] = runs = gpu_startup(model, args.max_model_len)
+        except Exception as e:  # report, go on with the next model
+            result["models"][model] = {"error": f"{type(e).__name__}: {e}"[-1500:]}
+            rows.append({"model": model, "run": "FAILED"})
+            print(f"{model}: FAILED\n{result['models'][model]['error']}", flush=True)
+            continue
+        for run, r in runs.items():
+            target = TARGETS_S.get(model, {}).get(run)
+            row = {"model": model, "run": run, "ready_s": r["ready_s"], **{k: r["stages"][k] for k in STAGES},
+                   "graphs": r["num_graphs"], "target_s": target,
+                   "met": None if target is None else ("met" if r["ready_s"] <= target else "MISSED")}
+            rows.append(row)
+    path = write_result("bench_compile_gpu", {**result, "rows": rows}, args.out)
+    print("\nengine startup on CUDA, seconds from process start to engine ready (cold: empty compile + Inductor caches;"
+          " capture includes the KV cache allocation)")
+    print_table(rows, ["model", "run", "ready_s", *STAGES, "graphs", "target_s", "met"])
+    print(f"wrote {path}")
 
 
 def engine_decode(model: str, batch: int, tokens: int, enforce_eager: bool, prompt_len: int = 8) -> float:
@@ -108,15 +233,25 @@ def hf_decode(model: str, batch: int, tokens: int, prompt_len: int = 8) -> float
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="default", help="default (SmolLM2-135M GGUF) or dummy:<preset>")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="cuda: engine startup cold/warm (GPU mode); cpu: compile + decode (auto: cuda if available)")
+    p.add_argument("--models", "--model", nargs="+", default=None,
+                   help="CPU: one of default (SmolLM2-135M GGUF) or dummy:<preset>; "
+                        "GPU default: dummy:smollm2-135m dummy:qwen3-0.6b")
+    p.add_argument("--max-model-len", type=int, default=None, help="GPU mode (default: the model's)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     p.add_argument("--tokens", type=int, default=32, help="new tokens per request")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's); 1 gives stable numbers on a busy machine")
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "bench_compile.json"))
+    p.add_argument("--out", default=None,
+                   help="JSON path (default benchmarks/results/bench_compile.json, or bench_compile_gpu.json)")
     p.add_argument("--child-compile", nargs=2, metavar=("MODEL", "CACHE_DIR"), help=argparse.SUPPRESS)
+    p.add_argument("--child-engine", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.child_engine:
+        model, cache_dir, started, max_len = args.child_engine
+        return child_engine(model, cache_dir, float(started), int(max_len) or None)
     if args.threads:  # before torch starts its thread pools; inherited by the compile subprocesses
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     if args.child_compile:
@@ -124,6 +259,13 @@ def main() -> None:
 
     import torch
 
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+        args.models = args.models or ["dummy:smollm2-135m", "dummy:qwen3-0.6b"]
+        return gpu_main(args)
+    args.models = args.models or ["default"]
+    if len(args.models) != 1:
+        p.error("CPU mode takes one model")
+    args.model = args.models[0]
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -153,7 +295,8 @@ def main() -> None:
         hf = f"{row['hf']:10.1f}" if "hf" in row else f"{'-':>10}"
         print(f"{bs:>5} {row['compiled']:10.1f} {row['eager']:10.1f} {hf} {row['compiled_vs_eager']:15.2f}")
     from benchmarks.common import write_result  # records machine, torch version and commit
-    print(f"\nwrote {write_result('bench_compile', result, args.out)}")
+    out = args.out or os.path.join(REPO, "benchmarks", "results", "bench_compile.json")
+    print(f"\nwrote {write_result('bench_compile', result, out)}")
 
 
 if __name__ == "__main__":
