@@ -1,22 +1,36 @@
-"""Fusion passes: time of one compiled piece with the fusion on vs off (CPU).
+"""Fusion passes on vs off: (a) per piece, (b) end to end in the engine (GPU).
 
-Each piece is the part of a decoder layer a fusion rewrites (hidden 576 / intermediate 1536, the
-default model's sizes), compiled by Inductor with compilelm's PassManager as the post-grad pass,
-once with only the fusion's switch on and once with it off. On CPU the fused ops are composed of
-torch ops (no kernels yet), so "fused" measures the rewrite's overhead/benefit against Inductor's
-own code generation for the unfused norm; the CUDA kernels are what the fusion is for.
+(a) Per piece. The norm/activation + FP8-quant fusions: the part of a decoder layer the fusion
+rewrites (hidden 576 / intermediate 1536, SmolLM2-135M's sizes) compiled by Inductor with
+compilelm's PassManager as the post-grad pass, once with only that fusion on and once with it
+off. The RoPE (+ QK-norm) + attention fusions span the piecewise split, so their piece is a whole
+compiled forward of a `--piece-layers`-layer model (SmolLM2-135M shapes for RoPE, Qwen3-0.6B's for
+QK-norm + RoPE), one prefill sequence of `tokens` tokens. CUDA: median of CUDA-event timings;
+CPU: best of 5 wall-clock runs (robust to other jobs on a shared CPU; the fused ops are torch
+compositions there, so CPU numbers measure the rewrite, not a kernel).
 
-    python -m benchmarks.bench_passes [--tokens 1 16 256] [--iters 50] [--threads 1]
+(b) End to end (default on CUDA): an engine per setting, default -O2 (every pass on) vs the same
+with one fusion switched off: decode step time (median `engine.step()`, and the decode CUDA
+graph's GPU time alone) at batch 1 and 64 with `--context` tokens of context, and the step that
+prefills one `--prefill`-token prompt (median of 3). RMSNorm+quant and SiLU+quant run the model in
+FP8 mode (`quantization="fp8"`); QK-norm+RoPE runs Qwen3-0.6B.
+
+    python -m benchmarks.bench_passes                       # CUDA if available: (a) + (b)
+    python -m benchmarks.bench_passes --device cpu          # CPU: (a) only, 1 thread
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
+import statistics
+import tempfile
 import time
 
 import torch
 
-from benchmarks.common import print_table, write_result
+from benchmarks.common import print_table, watch_compiles, write_result
 from compilelm.layers.activation import SiluAndMul
 from compilelm.layers.layernorm import rms_norm
 from compilelm.ops import quant as _quant_ops  # noqa: F401
@@ -46,6 +60,42 @@ FUSIONS = {  # name -> (piece, PassConfig switch, width of x)
     "add+rms_norm+quant": (add_rms_quant, "fuse_norm_quant", HIDDEN),
     "silu_mul+quant": (silu_mul_quant, "fuse_act_quant", 2 * INTER),
 }
+ATTENTION_FUSIONS = {  # name -> model whose shapes the whole-forward piece has
+    "rope+attention": "dummy:smollm2-135m",
+    "qk_norm+rope+attention": "dummy:qwen3-0.6b",
+}
+E2E_CASES = [  # (fusion, model, quantization, switch turned off)
+    ("rope+attention", "dummy:smollm2-135m", None, "fuse_rope_attention"),
+    ("qk_norm+rope+attention", "dummy:qwen3-0.6b", None, "fuse_rope_attention"),
+    ("rms_norm+quant", "dummy:smollm2-135m", "fp8", "fuse_norm_quant"),
+    ("silu_mul+quant", "dummy:smollm2-135m", "fp8", "fuse_act_quant"),
+]
+
+
+SWITCH_PASS = {"fuse_rope_attention": "RopeAttentionFusionPass", "fuse_norm_quant": "RMSNormQuantFusionPass",
+               "fuse_act_quant": "SiluMulQuantFusionPass"}
+
+
+def bench(fn, args, iters: int, device: torch.device, repeats: int = 5) -> float:
+    """us per call: CUDA, the median of `repeats` CUDA-event timings; CPU, the best wall time."""
+    for _ in range(10):
+        fn(*args)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn(*args)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / iters)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn(*args)
+            times.append((time.perf_counter() - t0) / iters * 1e6)
+    return statistics.median(times) if device.type == "cuda" else min(times)
 
 
 def compile_piece(fn, switch: str | None):
@@ -56,42 +106,187 @@ def compile_piece(fn, switch: str | None):
     return compiled, manager
 
 
-def bench(fn, args, iters: int, repeats: int = 5) -> float:
-    """us per call: the best of `repeats` timed runs (robust to other jobs on a shared CPU)."""
-    for _ in range(10):
-        fn(*args)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn(*args)
-        best = min(best, (time.perf_counter() - start) / iters * 1e6)
-    return best
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256])
-    ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: stable on a shared CPU)")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+def quant_piece_rows(args, device, dtype) -> list[dict]:
     rows = []
-    with torch.no_grad():
-        for name, (fn, switch, width) in FUSIONS.items():
-            for n in args.tokens:
-                x, res, w = torch.randn(n, width), torch.randn(n, HIDDEN), torch.rand(HIDDEN) + 0.5
+    for name, (fn, switch, width) in FUSIONS.items():
+        for n in args.tokens:
+            try:
+                x, res = torch.randn(n, width, device=device, dtype=dtype), torch.randn(n, HIDDEN, device=device, dtype=dtype)
+                w = torch.rand(HIDDEN, device=device, dtype=dtype) + 0.5
                 unfused, _ = compile_piece(fn, None)
-                t_unfused = bench(unfused, (x, res, w), args.iters)
+                t_unfused = bench(unfused, (x, res, w), args.iters, device)
                 fused, manager = compile_piece(fn, switch)
-                t_fused = bench(fused, (x, res, w), args.iters)
+                t_fused = bench(fused, (x, res, w), args.iters, device)
                 matches = sum(p.matches for p in manager.post_grad if "Quant" in p.name)
-                rows.append({"fusion": name, "tokens": n, "matches": matches, "eager_us": bench(fn, (x, res, w), args.iters),
+                rows.append({"fusion": name, "tokens": n, "matches": matches,
+                             "eager_us": bench(fn, (x, res, w), args.iters, device),
                              "unfused_us": t_unfused, "fused_us": t_fused, "speedup": t_unfused / t_fused})
-    print_table(rows, ["fusion", "tokens", "matches", "eager_us", "unfused_us", "fused_us", "speedup"])
-    print("wrote", write_result("bench_passes", {"device": "cpu", "threads": torch.get_num_threads(),
-                                                 "rows": rows}, args.out))
+            except Exception as e:  # e.g. no kernel for this device yet: report, go on
+                rows.append({"fusion": name, "tokens": n, "error": f"{type(e).__name__}: {e}"[:300]})
+    return rows
+
+
+def forward_context(model, n: int, device, block: int = 16):
+    """One prefill sequence of n tokens over fresh KV pages (block 0 is the null block)."""
+    from compilelm.forward_context import AttentionMetadata, ForwardContext
+
+    attn = [m for m in model.modules() if type(m).__name__ == "Attention"]
+    blocks = list(range(1, -(-n // block) + 1))
+    shape = (len(blocks) + 1, block, attn[0].num_kv_heads, attn[0].head_dim)
+    dtype = next(model.parameters()).dtype
+    caches = {a.layer_name: (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+              for a in attn}
+    i32 = dict(dtype=torch.int32, device=device)
+    meta = AttentionMetadata(torch.arange(block, block + n, device=device), torch.tensor([0, n], **i32),
+                             torch.tensor([n], **i32), torch.tensor([blocks], **i32), n, n)
+    return ForwardContext(meta, caches)
+
+
+def attention_piece_rows(args, device) -> list[dict]:
+    from compilelm.entrypoints.cli_compile import load_model
+    from compilelm.forward_context import set_forward_context
+    from compilelm.graphs import CompiledModel
+    from compilelm.llm import make_engine_config
+
+    rows = []
+    for name, model_name in ATTENTION_FUSIONS.items():
+        try:
+            config = make_engine_config(model_name, device=device.type,
+                                        model_overrides={"num_hidden_layers": args.piece_layers})
+            model, factors = load_model(config)
+            fns = {}
+            with tempfile.TemporaryDirectory() as tmp:
+                for fused in (False, True):
+                    passes = dataclasses.replace(config.compilation.passes, fuse_rope_attention=fused)
+                    cm = CompiledModel(model, dataclasses.replace(config.compilation, passes=passes, cache_dir=tmp,
+                                                                  use_cache=False), factors)
+                    fns[fused] = (cm.compile(), sum(p.matches for p in cm.manager.whole_graph
+                                                    if p.name == "RopeAttentionFusionPass"))
+            for n in args.tokens:
+                ids, pos = torch.randint(0, 1000, (n,), device=device), torch.arange(n, device=device)
+                t = {}
+                with torch.no_grad(), set_forward_context(forward_context(model, n, device)):
+                    for fused, (fn, _) in fns.items():
+                        t[fused] = bench(fn, (ids, pos), args.iters, device)
+                rows.append({"fusion": name, "tokens": n, "matches": fns[True][1], "unfused_us": t[False],
+                             "fused_us": t[True], "speedup": t[False] / t[True], "layers": args.piece_layers})
+            del model, fns
+        except Exception as e:
+            rows.append({"fusion": name, "error": f"{type(e).__name__}: {e}"[:300]})
+    return rows
+
+
+def engine_times(model: str, quantization: str | None, off: str | None, args) -> dict:
+    """Decode step ms at each batch and the prefill step ms, for one engine setting."""
+    from benchmarks.bench_decode import prompts, time_ours
+    from compilelm import LLM, SamplingParams
+
+    max_len = max(args.prefill, args.context + args.steps + 16) + 16
+    blocks = max(args.batches) * -(-(args.context + args.steps + 16) // 16) + -(-max_len // 16) + 16
+    with tempfile.TemporaryDirectory(prefix="compilelm-passes-") as tmp, watch_compiles() as compiled:
+        compilation = {"cudagraph_capture_sizes": args.batches, "passes": {off: False} if off else {},
+                       "cache_dir": args.cache_dir or tmp}  # a fresh cache: the passes run and count matches
+        llm = LLM(model, dtype="bfloat16" if torch.cuda.is_available() else "auto", quantization=quantization,
+                  max_model_len=max_len, max_num_seqs=max(args.batches), max_num_batched_tokens=max(args.prefill, 256),
+                  num_kv_blocks=blocks, enable_prefix_caching=False, compilation_config=compilation,
+                  model_overrides={"num_hidden_layers": args.layers} if args.layers else {})
+    engine = llm.engine
+    out = {"matches": {p.name: p.matches for cm in compiled for p in cm.manager.passes if "Fusion" in p.name}}
+    for b in args.batches:
+        out[f"decode_b{b}_ms"], out[f"graph_b{b}_ms"] = time_ours(engine, b, args.context, args.steps)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    times = []
+    for i in range(4):  # the first warms up
+        engine.add_request(None, prompts(1, args.prefill, engine.model_config.vocab_size, 1000 + i)[0], params)
+        t0 = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - t0) * 1e3)
+        while engine.has_unfinished_requests():
+            engine.step()
+    out[f"prefill_{args.prefill}_ms"] = statistics.median(times[1:])
+    del llm, engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def e2e_rows(args) -> list[dict]:
+    measured: dict = {}  # (model, quantization, switch off) -> times; the -O2 baselines are shared
+
+    def times(model, quant, off):
+        if (model, quant, off) not in measured:
+            try:
+                measured[model, quant, off] = engine_times(model, quant, off, args)
+            except Exception as e:
+                measured[model, quant, off] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            print(f"{model} quantization={quant} {off or 'all passes'}{' off' if off else ' on'}: "
+                  f"{measured[model, quant, off]}", flush=True)
+        return measured[model, quant, off]
+
+    rows = []
+    for fusion, model, quant, switch in E2E_CASES:
+        on, off = times(model, quant, None), times(model, quant, switch)
+        for key in on:
+            if key in ("error", "matches") or key not in off or (on[key] is None and off[key] is None):
+                continue
+            row = {"fusion": fusion, "model": model.split(":")[-1] + (" fp8" if quant else ""), "measure": key,
+                   "on_ms": on[key], "off_ms": off[key], "matches_on": on["matches"].get(SWITCH_PASS[switch], 0),
+                   "matches_off": off["matches"].get(SWITCH_PASS[switch], 0)}
+            if on[key] and off[key]:
+                row["speedup"] = off[key] / on[key]
+            rows.append(row)
+        if "error" in on or "error" in off:
+            rows.append({"fusion": fusion, "model": model, "error": on.get("error") or off.get("error")})
+    return rows
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--tokens", type=int, nargs="+", default=None, help="per piece (CPU 1 16 256; CUDA 1 64 2048)")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads on CPU (1: stable on a shared CPU)")
+    ap.add_argument("--piece-layers", type=int, default=2, help="layers of the attention-fusion pieces")
+    ap.add_argument("--no-pieces", action="store_true")
+    ap.add_argument("--e2e", action=argparse.BooleanOptionalAction, default=None, help="default: on for CUDA")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64], help="end to end: decode batch sizes")
+    ap.add_argument("--context", type=int, default=512, help="end to end: decode context")
+    ap.add_argument("--steps", type=int, default=32, help="end to end: timed decode steps")
+    ap.add_argument("--prefill", type=int, default=2048, help="end to end: prompt tokens of the prefill step")
+    ap.add_argument("--layers", type=int, default=None, help="end to end: override num_hidden_layers (smoke tests)")
+    ap.add_argument("--cache-dir", default=None, help="end to end: compile cache (default: a fresh one per engine)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    args.tokens = args.tokens or ([1, 64, 2048] if device.type == "cuda" else [1, 16, 256])
+    e2e = device.type == "cuda" if args.e2e is None else args.e2e
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    pieces, end_to_end = [], []
+    payload = {"device": device.type, "threads": torch.get_num_threads(), "args": vars(args),
+               "rows": pieces, "e2e_rows": end_to_end}
+    name = "bench_passes_gpu" if device.type == "cuda" else "bench_passes"
+    if not args.no_pieces:
+        with torch.no_grad():
+            pieces += quant_piece_rows(args, device, dtype)
+        pieces += attention_piece_rows(args, device)
+        write_result(name, payload, args.out)
+    if e2e:
+        end_to_end += e2e_rows(args)
+    path = write_result(name, payload, args.out)
+    if pieces:
+        print(f"\nper piece ({device.type}, us per call)")
+        print_table(pieces, ["fusion", "tokens", "matches", "eager_us", "unfused_us", "fused_us", "speedup"]
+                    + (["error"] if any("error" in r for r in pieces) else []))
+    if end_to_end:
+        print(f"\nend to end ({device.type}): -O2 with the fusion on vs off, ms (speedup = off / on)")
+        print_table(end_to_end, ["fusion", "model", "measure", "on_ms", "off_ms", "speedup", "matches_on", "matches_off"]
+                    + (["error"] if any("error" in r for r in end_to_end) else []))
+    print("wrote", path)
+    return payload
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -44,3 +45,22 @@ def write_result(name: str, payload: dict, out: str | None = None) -> str:
     with open(path, "w") as f:
         json.dump({"benchmark": name, "env": environment(), **payload}, f, indent=2)
     return path
+
+
+@contextlib.contextmanager
+def watch_compiles():
+    """Yields a list that collects each `CompiledModel` compiled inside the block (its stage times,
+    counters and pass matches; the engine keeps it to itself)."""
+    from compilelm.graphs import CompiledModel
+
+    seen, original = [], CompiledModel.compile
+
+    def compile(self, *args, **kwargs):
+        seen.append(self)
+        return original(self, *args, **kwargs)
+
+    CompiledModel.compile = compile
+    try:
+        yield seen
+    finally:
+        CompiledModel.compile = original
