@@ -1,11 +1,16 @@
 // The compilelm op contract: every custom op is declared here, once (docs/interfaces.md).
 // Device kernels register against these schemas in their own TORCH_LIBRARY_IMPL blocks:
-// csrc/cpu/cpu_ops.cpp (CPU) and, later, csrc/cuda/*.cu (CUDA). Fake (meta) impls and
-// plain-torch references live in compilelm/ops/.
+// csrc/cpu/cpu_ops.cpp (CPU) and csrc/cuda/cuda_ops.cu (CUDA). Fake (meta) impls, plain-torch
+// references, and the CPU impls of the fused ops (torch compositions, bit-identical to the unfused
+// ops) live in compilelm/ops/.
 //
-// Layout shared by both ops:
+// Layout shared by the cache ops:
 //   key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size], block 0 = null block
 //   slot s of the cache = (block s / block_size, offset s % block_size)
+//
+// FP8 ops: float8_e4m3fn outputs with vLLM's scales, x ~= q.float() * scale; `Tensor? scale`
+// None = dynamic per token (scale: fp32 [num_tokens, 1] = max(amax / 448, 1 / (448 * 512))),
+// else static (scale: fp32 [1], returned as a copy). All of them are functional.
 #include <torch/library.h>
 
 TORCH_LIBRARY(compilelm, m) {
@@ -19,4 +24,27 @@ TORCH_LIBRARY(compilelm, m) {
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor cu_seqlens_q, "
       "Tensor seq_lens, Tensor block_tables, float scale) -> Tensor");
+  // RoPE (neox style) of query and key at `positions`, after an optional per-head RMSNorm
+  // (Qwen3's QK-norm: both weights [head_size] or neither), rotated key and value written to
+  // their cache slots (as reshape_and_cache). query: [num_tokens, num_heads, head_size];
+  // cos_sin_cache: [max_position, head_size] = cos | sin of the half-dims. Returns the rotated query,
+  // [num_tokens, num_heads, head_size] contiguous.
+  m.def(
+      "rope_and_cache(Tensor positions, Tensor query, Tensor key, Tensor value, Tensor cos_sin_cache, "
+      "Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, Tensor(a!) key_cache, "
+      "Tensor(b!) value_cache, Tensor slot_mapping) -> Tensor");
+
+  // x: [num_tokens, hidden] -> (q: fp8 [num_tokens, hidden], scale: fp32 [num_tokens, 1])
+  m.def("quant_fp8_per_token(Tensor x) -> (Tensor, Tensor)");
+  m.def("quant_fp8_static(Tensor x, Tensor scale) -> Tensor");
+  // quant(rms_norm(x)) -> (q, scale)
+  m.def("rms_norm_quant_fp8(Tensor x, Tensor weight, float eps, Tensor? scale) -> (Tensor, Tensor)");
+  // residual_out = x + residual; (quant(rms_norm(residual_out)), scale, residual_out)
+  m.def(
+      "fused_add_rms_norm_quant_fp8(Tensor x, Tensor residual, Tensor weight, float eps, Tensor? scale) "
+      "-> (Tensor, Tensor, Tensor)");
+  // x: [num_tokens, 2 * d] (gate | up) -> quant(silu(gate) * up): fp8 [num_tokens, d], scale
+  m.def("silu_mul_quant_fp8(Tensor x, Tensor? scale) -> (Tensor, Tensor)");
+  // residual_out = x + residual; (rms_norm(residual_out), residual_out)
+  m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
 }

@@ -1,5 +1,6 @@
-"""Custom ops from csrc/: loads compilelm/_C*.so, which registers torch.ops.compilelm.*, then
-the Python wrappers, fake impls (for tracing) and plain-torch references of each op."""
+"""Custom ops from csrc/: loads compilelm/_C*.so, which registers torch.ops.compilelm.* (schemas,
+CPU and CUDA kernels), then the Python wrappers, fake impls (for tracing), plain-torch references
+and, for the fused ops, the CPU implementations (torch compositions) of each op."""
 
 import importlib.machinery
 from pathlib import Path
@@ -25,5 +26,9 @@ _load_library()
 
 from compilelm.ops.attention import paged_attention, paged_attention_ref  # noqa: E402
 from compilelm.ops.cache import reshape_and_cache, reshape_and_cache_ref  # noqa: E402
+from compilelm.ops.norm import fused_add_rms_norm, fused_add_rms_norm_ref  # noqa: E402
+from compilelm.ops.rope_cache import rope_and_cache, rope_and_cache_ref  # noqa: E402
+from compilelm.ops import quant  # noqa: E402, F401  (registers the fp8 ops' CPU and fake impls)
 
-__all__ = ["paged_attention", "paged_attention_ref", "reshape_and_cache", "reshape_and_cache_ref"]
+__all__ = ["fused_add_rms_norm", "fused_add_rms_norm_ref", "paged_attention", "paged_attention_ref",
+           "reshape_and_cache", "reshape_and_cache_ref", "rope_and_cache", "rope_and_cache_ref"]

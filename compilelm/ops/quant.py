@@ -1,11 +1,12 @@
 """FP8 (float8_e4m3fn) quantization ops, alone and fused with the op that produces their input.
 
-Every op is functional (new tensors out, nothing mutated), declared with
-`torch.library.custom_op` in the `compilelm` namespace with a fake impl for tracing. The CPU
-implementations are composed of torch ops and are bit-identical to running the unfused ops one
-after the other (the `*_ref` functions), which is what the fusion passes rely on: a fused graph
-computes exactly what the unfused one did. CUDA kernels can replace the implementations later
-without changing a schema.
+Every op is functional (new tensors out, nothing mutated). The schemas are declared once in
+csrc/ops.cpp; this module adds the fake impls (for tracing) and the CPU implementations, which
+are composed of torch ops and are bit-identical to running the unfused ops one after the other
+(the `*_ref` functions): what the fusion passes rely on, a fused graph computes exactly what the
+unfused one did. The CUDA kernels (csrc/cuda/quant_kernels.cu, norm_quant_kernels.cu) compute in
+fp32 with the same roundings to the activation dtype; only the order of the row reductions
+differs, so a fp8 value can land one step away where a product sits on a rounding boundary.
 
 Scales follow vLLM: x ~= q.float() * scale.
     per token:  scale: [num_tokens, 1] fp32 = max(amax(|x|, -1) / 448, 1 / (448 * 512))
@@ -55,63 +56,83 @@ def silu_mul_ref(x: Tensor) -> Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-# -- the ops ---------------------------------------------------------------------------------
+# -- the ops: wrappers, CPU implementations, fake impls ----------------------------------------
 
-@torch.library.custom_op("compilelm::quant_fp8_per_token", mutates_args=())
 def quant_fp8_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
     """Dynamic per-token quantization: one scale per row."""
-    return quant_fp8_per_token_ref(x)
+    return torch.ops.compilelm.quant_fp8_per_token.default(x)
 
 
-@quant_fp8_per_token.register_fake
-def _(x):
-    return x.new_empty(x.shape, dtype=FP8_DTYPE), x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
-
-
-@torch.library.custom_op("compilelm::quant_fp8_static", mutates_args=())
 def quant_fp8_static(x: Tensor, scale: Tensor) -> Tensor:
     """Static per-tensor quantization with a calibrated scale."""
-    return quant_fp8_static_ref(x, scale)
+    return torch.ops.compilelm.quant_fp8_static.default(x, scale)
 
 
-@quant_fp8_static.register_fake
-def _(x, scale):
-    return x.new_empty(x.shape, dtype=FP8_DTYPE)
-
-
-@torch.library.custom_op("compilelm::rms_norm_quant_fp8", mutates_args=())
 def rms_norm_quant_fp8(x: Tensor, weight: Tensor, eps: float, scale: Tensor | None) -> tuple[Tensor, Tensor]:
     """quant(rms_norm(x)): scale=None -> per token, else static. Returns (q, scale)."""
-    return _quant(rms_norm_ref(x, weight, eps), scale)
+    return torch.ops.compilelm.rms_norm_quant_fp8.default(x, weight, eps, scale)
 
 
-@rms_norm_quant_fp8.register_fake
-def _(x, weight, eps, scale):
-    return x.new_empty(x.shape, dtype=FP8_DTYPE), x.new_empty(_scale_shape(x, scale), dtype=torch.float32)
-
-
-@torch.library.custom_op("compilelm::fused_add_rms_norm_quant_fp8", mutates_args=())
 def fused_add_rms_norm_quant_fp8(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
                                  scale: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """residual = x + residual; (quant(rms_norm(residual)), residual). Returns (q, scale, residual)."""
+    return torch.ops.compilelm.fused_add_rms_norm_quant_fp8.default(x, residual, weight, eps, scale)
+
+
+def silu_mul_quant_fp8(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor]:
+    """quant(silu(gate) * up), x: [num_tokens, 2 * d] -> q: fp8 [num_tokens, d]. Returns (q, scale)."""
+    return torch.ops.compilelm.silu_mul_quant_fp8.default(x, scale)
+
+
+@torch.library.register_kernel("compilelm::quant_fp8_per_token", "cpu")
+def _(x):
+    return quant_fp8_per_token_ref(x)
+
+
+@torch.library.register_kernel("compilelm::quant_fp8_static", "cpu")
+def _(x, scale):
+    return quant_fp8_static_ref(x, scale)
+
+
+@torch.library.register_kernel("compilelm::rms_norm_quant_fp8", "cpu")
+def _(x, weight, eps, scale):
+    return _quant(rms_norm_ref(x, weight, eps), scale)
+
+
+@torch.library.register_kernel("compilelm::fused_add_rms_norm_quant_fp8", "cpu")
+def _(x, residual, weight, eps, scale):
     residual = x + residual
     q, s = _quant(rms_norm_ref(residual, weight, eps), scale)
     return q, s, residual
 
 
-@fused_add_rms_norm_quant_fp8.register_fake
-def _(x, residual, weight, eps, scale):
-    return (x.new_empty(x.shape, dtype=FP8_DTYPE), x.new_empty(_scale_shape(x, scale), dtype=torch.float32),
-            torch.empty_like(x))
-
-
-@torch.library.custom_op("compilelm::silu_mul_quant_fp8", mutates_args=())
-def silu_mul_quant_fp8(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor]:
-    """quant(silu(gate) * up), x: [num_tokens, 2 * d] -> q: fp8 [num_tokens, d]. Returns (q, scale)."""
+@torch.library.register_kernel("compilelm::silu_mul_quant_fp8", "cpu")
+def _(x, scale):
     return _quant(silu_mul_ref(x), scale)
 
 
-@silu_mul_quant_fp8.register_fake
+@torch.library.register_fake("compilelm::quant_fp8_per_token")
+def _(x):
+    return x.new_empty(x.shape, dtype=FP8_DTYPE), x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+
+
+@torch.library.register_fake("compilelm::quant_fp8_static")
+def _(x, scale):
+    return x.new_empty(x.shape, dtype=FP8_DTYPE)
+
+
+@torch.library.register_fake("compilelm::rms_norm_quant_fp8")
+def _(x, weight, eps, scale):
+    return x.new_empty(x.shape, dtype=FP8_DTYPE), x.new_empty(_scale_shape(x, scale), dtype=torch.float32)
+
+
+@torch.library.register_fake("compilelm::fused_add_rms_norm_quant_fp8")
+def _(x, residual, weight, eps, scale):
+    return (x.new_empty(x.shape, dtype=FP8_DTYPE), x.new_empty(_scale_shape(x, scale), dtype=torch.float32),
+            x.new_empty(x.shape))
+
+
+@torch.library.register_fake("compilelm::silu_mul_quant_fp8")
 def _(x, scale):
     shape = (*x.shape[:-1], x.shape[-1] // 2)
     return x.new_empty(shape, dtype=FP8_DTYPE), x.new_empty(_scale_shape(x, scale), dtype=torch.float32)

@@ -1,34 +1,14 @@
 // Device helpers shared by the paged-attention kernels (paged_attention_decode.cu,
-// paged_attention_prefill.cu): element conversions, query-row lookups, zeroing padding rows,
+// paged_attention_prefill.cu): vector widening, query-row lookups, zeroing padding rows,
 // merging split-K partials.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cstdint>
 
+#include "cuda/convert.cuh"
 #include "cuda/launchers.h"
 
 namespace compilelm::cuda {
-
-template <typename T>
-__device__ __forceinline__ float to_float(T x);
-template <>
-__device__ __forceinline__ float to_float(float x) { return x; }
-template <>
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <>
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float(float x) { return x; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16(x); }
-template <>
-__device__ __forceinline__ __half from_float(float x) { return __float2half(x); }
 
 // The 16 / sizeof(T) elements of a 16-byte vector, widened to fp32.
 template <typename T>

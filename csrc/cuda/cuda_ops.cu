@@ -1,5 +1,4 @@
-// Registers the CUDA kernels (cache_kernels.cu, paged_attention*.cu) for the schemas of
-// csrc/ops.cpp. Built only with COMPILELM_CUDA (CMakeLists.txt).
+// Registers the CUDA kernels for the schemas of csrc/ops.cpp (entry points: cuda_ops.h). Built only with COMPILELM_CUDA (CMakeLists.txt).
 #include <torch/library.h>
 
 #include "cuda/cuda_ops.h"
@@ -7,4 +6,11 @@
 TORCH_LIBRARY_IMPL(compilelm, CUDA, m) {
   m.impl("reshape_and_cache", &compilelm::cuda::reshape_and_cache);
   m.impl("paged_attention", &compilelm::cuda::paged_attention);
+  m.impl("rope_and_cache", &compilelm::cuda::rope_and_cache);
+  m.impl("quant_fp8_per_token", &compilelm::cuda::quant_fp8_per_token);
+  m.impl("quant_fp8_static", &compilelm::cuda::quant_fp8_static);
+  m.impl("rms_norm_quant_fp8", &compilelm::cuda::rms_norm_quant_fp8);
+  m.impl("fused_add_rms_norm_quant_fp8", &compilelm::cuda::fused_add_rms_norm_quant_fp8);
+  m.impl("silu_mul_quant_fp8", &compilelm::cuda::silu_mul_quant_fp8);
+  m.impl("fused_add_rms_norm", &compilelm::cuda::fused_add_rms_norm);
 }

@@ -1,9 +1,12 @@
 // CUDA kernels of the ops declared in csrc/ops.cpp (shapes documented there). Each launches on
 // the current stream, syncs nothing and allocates only through torch's caching allocator, so
-// both can be captured in CUDA graphs.
+// all of them can be captured in CUDA graphs.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
 
 namespace compilelm::cuda {
 
@@ -22,5 +25,32 @@ at::Tensor paged_attention(
     const at::Tensor& seq_lens,
     const at::Tensor& block_tables,
     double scale);
+
+// rope_and_cache.cpp
+at::Tensor rope_and_cache(
+    const at::Tensor& positions,
+    const at::Tensor& query,
+    const at::Tensor& key,
+    const at::Tensor& value,
+    const at::Tensor& cos_sin_cache,
+    const std::optional<at::Tensor>& q_norm_weight,
+    const std::optional<at::Tensor>& k_norm_weight,
+    double eps,
+    at::Tensor& key_cache,
+    at::Tensor& value_cache,
+    const at::Tensor& slot_mapping);
+
+// fused_ops.cpp
+std::tuple<at::Tensor, at::Tensor> quant_fp8_per_token(const at::Tensor& x);
+at::Tensor quant_fp8_static(const at::Tensor& x, const at::Tensor& scale);
+std::tuple<at::Tensor, at::Tensor> rms_norm_quant_fp8(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                                      const std::optional<at::Tensor>& scale);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_quant_fp8(const at::Tensor& x,
+                                                                            const at::Tensor& residual,
+                                                                            const at::Tensor& weight, double eps,
+                                                                            const std::optional<at::Tensor>& scale);
+std::tuple<at::Tensor, at::Tensor> silu_mul_quant_fp8(const at::Tensor& x, const std::optional<at::Tensor>& scale);
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                      const at::Tensor& weight, double eps);
 
 }  // namespace compilelm::cuda

@@ -49,6 +49,49 @@ void launch_paged_attention_prefill(const AttentionParams& p, const SplitParams&
 void launch_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                               at::Tensor& value_cache, const at::Tensor& slot_mapping, bool vectorized);
 
+// The fused row kernels: one program per row (token). Layouts of the ops in csrc/ops.cpp.
+enum class QuantMode { kNone, kStatic, kDynamic };  // output in x's dtype | fp8, given scale | fp8, per-row scale
+
+struct RowParams {
+  const void* x;          // [rows, x_cols], row stride x_stride (elements), last dim contiguous
+  const void* residual;   // add + norm: [rows, cols], row stride residual_stride
+  const void* weight;     // norm: [cols], x's dtype
+  void* out;              // [rows, cols] contiguous: fp8, or x's dtype with QuantMode::kNone
+  void* residual_out;     // add + norm: [rows, cols] contiguous, x's dtype
+  float* scale;           // kStatic: [1], read; kDynamic: [rows], written
+  int64_t x_stride, residual_stride;
+  int64_t rows;
+  int cols;               // of the output (silu_mul: half of x's)
+  float eps;
+};
+
+// RMSNorm of x (or of x + residual, with `add`), then `quant`. vectorized: 16-byte accesses
+// (cols, strides and pointers allow it).
+void launch_rms_norm(const RowParams& p, at::ScalarType dtype, bool add, QuantMode quant, bool vectorized);
+// Quantization of x, or of silu(gate) * up with `silu_mul` (x = gate | up); quant != kNone.
+void launch_quant(const RowParams& p, at::ScalarType dtype, bool silu_mul, QuantMode quant, bool vectorized);
+
+// One rope_and_cache call (see rope_and_cache.cpp). Heads are contiguous rows of head_size
+// within a token; cache rows of a slot hold num_kv_heads * head_size elements.
+struct RopeCacheParams {
+  const int64_t* positions;      // [num_tokens]
+  const void* query;             // [num_tokens, num_heads, head_size], token stride q_stride
+  const void* key;               // [num_tokens, num_kv_heads, head_size], token stride k_stride
+  const void* value;             // [num_tokens, num_kv_heads, head_size], token stride v_stride
+  const void* cos_sin_cache;     // [max_position, head_size], fp32 or the query dtype
+  const void* q_norm_weight;     // [head_size] or null (no QK-norm)
+  const void* k_norm_weight;     // [head_size] or null
+  void* q_out;                   // [num_tokens, num_heads, head_size] contiguous
+  void* key_cache;               // [num_slots, num_kv_heads, head_size]
+  void* value_cache;
+  const int64_t* slot_mapping;   // [num_tokens]; outside [0, num_slots) skips
+  int64_t q_stride, k_stride, v_stride, num_slots;
+  int num_tokens, num_heads, num_kv_heads, head_size;
+  float eps;
+};
+
+void launch_rope_and_cache(const RopeCacheParams& p, at::ScalarType dtype, bool cos_sin_fp32);
+
 constexpr float kLog2e = 1.4426950408889634f;
 
 }  // namespace compilelm::cuda

@@ -1,0 +1,56 @@
+"""rope_and_cache: RoPE of q and k (after Qwen3's per-head QK-norm, optionally) and the KV-cache
+write of the rotated k and v, in one op: the prologue of `unified_attention_rope` /
+`unified_attention_qknorm_rope` on CUDA (csrc/cuda/rope_cache_kernels.cu), where it saves the
+rotated k's round trip through memory and two launches per layer.
+
+The CPU implementation is the torch composition of the unfused path (rms_norm, apply_rope,
+reshape_and_cache), which is also the reference of the GPU tests.
+"""
+
+import torch
+from torch import Tensor
+
+from compilelm.layers.layernorm import rms_norm
+from compilelm.layers.rotary_embedding import apply_rope
+
+
+def rope_and_cache(
+    positions: Tensor,  # int64 [num_tokens]
+    query: Tensor,  # [num_tokens, num_heads, head_size], not yet rotated
+    key: Tensor,  # [num_tokens, num_kv_heads, head_size], not yet rotated
+    value: Tensor,  # [num_tokens, num_kv_heads, head_size]
+    cos_sin_cache: Tensor,  # [max_position, head_size] = cos | sin of the half-dims
+    q_norm_weight: Tensor | None,  # [head_size]: QK-norm (both weights or neither)
+    k_norm_weight: Tensor | None,
+    eps: float,
+    key_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size], written in place
+    value_cache: Tensor,  # written in place
+    slot_mapping: Tensor,  # int64 [num_tokens]; -1 skips
+) -> Tensor:  # rotated query, [num_tokens, num_heads, head_size] contiguous
+    return torch.ops.compilelm.rope_and_cache.default(positions, query, key, value, cos_sin_cache, q_norm_weight,
+                                                      k_norm_weight, eps, key_cache, value_cache, slot_mapping)
+
+
+def rope_and_cache_ref(positions, query, key, value, cos_sin_cache, q_norm_weight, k_norm_weight, eps, key_cache,
+                       value_cache, slot_mapping) -> Tensor:
+    n, head_size = query.shape[0], query.shape[2]
+    if q_norm_weight is not None:
+        query, key = rms_norm(query, q_norm_weight, eps), rms_norm(key, k_norm_weight, eps)
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    q = apply_rope(query.reshape(n, -1), cos, sin, head_size).view(n, -1, head_size)
+    k = apply_rope(key.reshape(n, -1), cos, sin, head_size).view(n, -1, head_size)
+    torch.ops.compilelm.reshape_and_cache.default(k, value, key_cache, value_cache, slot_mapping)
+    return q.contiguous()
+
+
+@torch.library.register_kernel("compilelm::rope_and_cache", "cpu")
+def _(positions, query, key, value, cos_sin_cache, q_norm_weight, k_norm_weight, eps, key_cache, value_cache,
+      slot_mapping):
+    return rope_and_cache_ref(positions, query, key, value, cos_sin_cache, q_norm_weight, k_norm_weight, eps,
+                              key_cache, value_cache, slot_mapping)
+
+
+@torch.library.register_fake("compilelm::rope_and_cache")
+def _(positions, query, key, value, cos_sin_cache, q_norm_weight, k_norm_weight, eps, key_cache, value_cache,
+      slot_mapping):
+    return query.new_empty(query.shape)

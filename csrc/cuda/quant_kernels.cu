@@ -1,0 +1,93 @@
+// FP8 quantization row kernels: quant_fp8_per_token, quant_fp8_static, silu_mul_quant_fp8
+// (entry points and checks: fused_ops.cpp). One program per token row:
+//
+//   y = x, or with silu_mul  y = T(T(silu(gate)) * up)  (torch's roundings of F.silu(gate) * up)
+//   kStatic   store fp8(y / scale)
+//   kDynamic  amax(|y|) over the row; scale = max(amax / 448, 1 / (448 * 512)); store fp8(y / scale)
+//             (y is recomputed from the row the same thread just read: L1/L2 hits)
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "cuda/fused_common.cuh"
+#include "cuda/launchers.h"
+
+namespace compilelm::cuda {
+namespace {
+
+template <typename T, int N, bool kSiluMul>
+__device__ __forceinline__ void load_y(const T* x_row, int cols, int c, float (&y)[N]) {
+  const Vec<T, N> a = load_vec<T, N>(x_row, c);
+  if constexpr (kSiluMul) {
+    const Vec<T, N> up = load_vec<T, N>(x_row + cols, c);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const float g = to_float(a.v[i]);
+      y[i] = round_to<T>(round_to<T>(g / (1.f + expf(-g))) * to_float(up.v[i]));
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) y[i] = to_float(a.v[i]);
+  }
+}
+
+template <typename T, int N, bool kSiluMul, QuantMode kQuant>
+__global__ void quant_kernel(const RowParams p) {
+  const int64_t row = blockIdx.x;
+  const int chunks = p.cols / N;
+  const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
+  auto* out = static_cast<__nv_fp8_storage_t*>(p.out) + row * p.cols;
+
+  float scale = 1.f;
+  if constexpr (kQuant == QuantMode::kStatic) {
+    scale = *p.scale;
+  } else {
+    float amax = 0.f;
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+      float y[N];
+      load_y<T, N, kSiluMul>(x, p.cols, c, y);
+#pragma unroll
+      for (int i = 0; i < N; ++i) amax = fmaxf(amax, fabsf(y[i]));
+    }
+    scale = dynamic_scale(block_reduce<true>(amax));
+    if (threadIdx.x == 0) p.scale[row] = scale;
+  }
+  for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+    float y[N];
+    load_y<T, N, kSiluMul>(x, p.cols, c, y);
+    Vec<__nv_fp8_storage_t, N> q;
+#pragma unroll
+    for (int i = 0; i < N; ++i) q.v[i] = quant_fp8(y[i], scale);
+    store_vec<__nv_fp8_storage_t, N>(out, c, q);
+  }
+}
+
+template <typename T, int N, bool kSiluMul>
+void launch(const RowParams& p, QuantMode quant) {
+  const int threads = row_threads(p.cols / N);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  if (quant == QuantMode::kStatic) {
+    quant_kernel<T, N, kSiluMul, QuantMode::kStatic><<<p.rows, threads, 0, stream>>>(p);
+  } else {
+    quant_kernel<T, N, kSiluMul, QuantMode::kDynamic><<<p.rows, threads, 0, stream>>>(p);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void dispatch(const RowParams& p, bool silu_mul, QuantMode quant, bool vectorized) {
+  constexpr int kN = 16 / sizeof(T);
+  if (silu_mul) return vectorized ? launch<T, kN, true>(p, quant) : launch<T, 1, true>(p, quant);
+  vectorized ? launch<T, kN, false>(p, quant) : launch<T, 1, false>(p, quant);
+}
+
+}  // namespace
+
+void launch_quant(const RowParams& p, at::ScalarType dtype, bool silu_mul, QuantMode quant, bool vectorized) {
+  switch (dtype) {
+    case at::kBFloat16: return dispatch<__nv_bfloat16>(p, silu_mul, quant, vectorized);
+    case at::kHalf: return dispatch<__half>(p, silu_mul, quant, vectorized);
+    default: return dispatch<float>(p, silu_mul, quant, vectorized);
+  }
+}
+
+}  // namespace compilelm::cuda

@@ -1,0 +1,120 @@
+// The rope_and_cache kernel (entry and checks: rope_and_cache.cpp). One warp per (token, head
+// unit), units = query heads | key heads | value heads:
+//
+//   query / key head:  optional QK-norm  x = T(w * T(x * rsqrt(mean(x^2) + eps)))  (warp reduce),
+//                      then neox RoPE    out[j]     = x[j] * cos[j] - x[j + D/2] * sin[j]
+//                                        out[j+D/2] = x[j + D/2] * cos[j] + x[j] * sin[j]
+//                      with cos, sin rounded to T (apply_rope's `.to(x.dtype)`), in fp32 and
+//                      rounded once (the unfused graph under Inductor does the same; eager rounds
+//                      each product too: at most one step of T apart)
+//                      -> q_out, or the key cache row of the token's slot
+//   value head:        copied to the value cache row of the slot
+//
+// Lane l holds elements l + 32 e (e < D / 32) of its head, so a rotation pair (j, j + D/2) sits
+// in one lane (D / 2 is a multiple of 32). Slots outside [0, num_slots) (-1: padding) write no
+// cache rows; the query is rotated regardless.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "cuda/convert.cuh"
+#include "cuda/launchers.h"
+
+namespace compilelm::cuda {
+namespace {
+
+constexpr int kWarpsPerBlock = 4;
+
+template <typename T, typename CosT, int D, bool kNorm>
+__global__ void rope_and_cache_kernel(const RopeCacheParams p) {
+  constexpr int E = D / 32;
+  const int token = blockIdx.x;
+  const int unit = blockIdx.y * kWarpsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int q_units = p.num_heads, qk_units = p.num_heads + p.num_kv_heads;
+  if (unit >= qk_units + p.num_kv_heads) return;
+  const int64_t slot = p.slot_mapping[token];
+  const bool cached = slot >= 0 && slot < p.num_slots;
+
+  if (unit >= qk_units) {  // value head: copy
+    if (!cached) return;
+    const int head = unit - qk_units;
+    const T* src = static_cast<const T*>(p.value) + token * p.v_stride + head * D;
+    T* dst = static_cast<T*>(p.value_cache) + (slot * p.num_kv_heads + head) * D;
+#pragma unroll
+    for (int e = 0; e < E; ++e) dst[lane + 32 * e] = src[lane + 32 * e];
+    return;
+  }
+  const bool is_query = unit < q_units;
+  if (!is_query && !cached) return;
+  const int head = is_query ? unit : unit - q_units;
+  const T* src = is_query ? static_cast<const T*>(p.query) + token * p.q_stride + head * D
+                          : static_cast<const T*>(p.key) + token * p.k_stride + head * D;
+  float x[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) x[e] = to_float(src[lane + 32 * e]);
+
+  if constexpr (kNorm) {
+    float sum_sq = 0.f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) sum_sq += x[e] * x[e];
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, offset);
+    const float inv_rms = rsqrtf(sum_sq / D + p.eps);
+    const T* w = static_cast<const T*>(is_query ? p.q_norm_weight : p.k_norm_weight);
+#pragma unroll
+    for (int e = 0; e < E; ++e) x[e] = round_to<T>(to_float(w[lane + 32 * e]) * round_to<T>(x[e] * inv_rms));
+  }
+
+  const CosT* cos = static_cast<const CosT*>(p.cos_sin_cache) + p.positions[token] * D;
+  const CosT* sin = cos + D / 2;
+  T* dst = is_query ? static_cast<T*>(p.q_out) + (static_cast<int64_t>(token) * p.num_heads + head) * D
+                    : static_cast<T*>(p.key_cache) + (slot * p.num_kv_heads + head) * D;
+#pragma unroll
+  for (int e = 0; e < E / 2; ++e) {
+    const int j = lane + 32 * e;  // < D / 2
+    const float c = round_to<T>(to_float(cos[j])), s = round_to<T>(to_float(sin[j]));
+    const float x1 = x[e], x2 = x[e + E / 2];
+    dst[j] = from_float<T>(x1 * c - x2 * s);
+    dst[j + D / 2] = from_float<T>(x2 * c + x1 * s);
+  }
+}
+
+template <typename T, typename CosT, int D>
+void launch(const RopeCacheParams& p) {
+  const int units = p.num_heads + 2 * p.num_kv_heads;
+  const dim3 grid(p.num_tokens, (units + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  if (p.q_norm_weight != nullptr) {
+    rope_and_cache_kernel<T, CosT, D, true><<<grid, 32 * kWarpsPerBlock, 0, stream>>>(p);
+  } else {
+    rope_and_cache_kernel<T, CosT, D, false><<<grid, 32 * kWarpsPerBlock, 0, stream>>>(p);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T, typename CosT>
+void dispatch_head_size(const RopeCacheParams& p) {
+  switch (p.head_size) {
+    case 64: return launch<T, CosT, 64>(p);
+    case 128: return launch<T, CosT, 128>(p);
+    default: return launch<T, CosT, 256>(p);
+  }
+}
+
+template <typename T>
+void dispatch_cos(const RopeCacheParams& p, bool cos_sin_fp32) {
+  if (cos_sin_fp32) return dispatch_head_size<T, float>(p);
+  dispatch_head_size<T, T>(p);
+}
+
+}  // namespace
+
+void launch_rope_and_cache(const RopeCacheParams& p, at::ScalarType dtype, bool cos_sin_fp32) {
+  switch (dtype) {
+    case at::kBFloat16: return dispatch_cos<__nv_bfloat16>(p, cos_sin_fp32);
+    case at::kHalf: return dispatch_cos<__half>(p, cos_sin_fp32);
+    default: return dispatch_cos<float>(p, true);
+  }
+}
+
+}  // namespace compilelm::cuda

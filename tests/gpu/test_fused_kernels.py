@@ -1,0 +1,323 @@
+"""CUDA kernels of the fused ops (csrc/cuda: norm_quant_kernels.cu, quant_kernels.cu,
+rope_cache_kernels.cu) against the plain-torch references on the GPU, opcheck, CUDA-graph
+capture/replay, and the fp8 model compiled with the fusion passes on vs off.
+
+FP8 tolerance: the kernels round to the activation dtype where the references do
+(T(weight * T(x * inv_rms)), T(T(silu(gate)) * up)), so an fp8 code can differ only where the
+order of a row reduction (the sum of squares) moves a value across a rounding boundary: at most
+one fp8 step (adjacent codes), and at most 0.1% of the elements. A dynamic scale may differ by
+one rounding step of the activation dtype (its amax element can), so the codes are compared with
+the reference values quantized with the kernel's own scale, and the scales with that tolerance.
+
+Run as a script (`python -m tests.gpu.test_fused_kernels OUT.json`) for the timing table: each
+fused kernel vs its unfused eager torch composition.
+"""
+
+import gc
+import glob
+import json
+import os
+import statistics
+import sys
+
+import pytest
+import torch
+
+from compilelm import LLM, SamplingParams
+from compilelm.layers.layernorm import rms_norm
+from compilelm.ops import fused_add_rms_norm_ref, rope_and_cache_ref
+from compilelm.ops import quant as q_ops
+from tests.test_fused_ops import quant_cases, rope_inputs
+
+pytestmark = pytest.mark.gpu
+
+OPS = torch.ops.compilelm
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+STEP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}  # relative step of 1 ulp
+SHAPES = [(1, 4096), (33, 64), (7, 99)]  # 99: odd rows, the scalar (unvectorized) path
+
+
+def cuda(args):
+    return tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def fp8_codes(q):
+    """fp8 values as ordered integers: adjacent values differ by 1 (sign-magnitude -> signed)."""
+    bits = q.view(torch.uint8).to(torch.int16)
+    magnitude = bits & 0x7F
+    return torch.where(bits >= 128, -magnitude, magnitude)
+
+
+def assert_fp8_close(q, want):
+    assert q.dtype == want.dtype == torch.float8_e4m3fn and q.shape == want.shape
+    steps = (fp8_codes(q) - fp8_codes(want)).abs()
+    assert steps.max().item() <= 1, f"fp8 codes {steps.max().item()} steps apart"
+    assert (steps > 0).float().mean().item() <= 1e-3, f"{(steps > 0).float().mean().item():.2%} of fp8 codes differ"
+
+
+def check_quantized(q, scale, y, static_scale):
+    """q, scale (kernel) against y (the reference's value before quantization)."""
+    if static_scale is not None:
+        assert torch.equal(scale, static_scale) and scale.data_ptr() != static_scale.data_ptr()
+        assert_fp8_close(q, q_ops.quant_fp8_static_ref(y, static_scale))
+        return
+    _, want_scale = q_ops.quant_fp8_per_token_ref(y)
+    assert scale.shape == want_scale.shape and scale.dtype == torch.float32
+    torch.testing.assert_close(scale, want_scale, rtol=STEP[y.dtype] * 1.01, atol=0)
+    assert_fp8_close(q, q_ops.quant_fp8_static_ref(y, scale))
+
+
+def rows(num_tokens, hidden, dtype, seed, strided=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(num_tokens, hidden + (8 if strided else 0), device="cuda", generator=g) * 2
+    return x.to(dtype)[:, :hidden]
+
+
+def norm_weight(hidden, dtype):
+    return (torch.rand(hidden, device="cuda") + 0.5).to(dtype)
+
+
+STATIC_SCALE = torch.tensor([0.02])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("static", [False, True])
+def test_quant(dtype, shape, static):
+    x = rows(*shape, dtype, seed=1, strided=True)
+    if static:
+        scale = STATIC_SCALE.cuda()
+        check_quantized(q_ops.quant_fp8_static(x, scale), scale.clone(), x, scale)
+    else:
+        check_quantized(*q_ops.quant_fp8_per_token(x), x, None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("static", [False, True])
+def test_rms_norm_quant(dtype, shape, static):
+    x, w = rows(*shape, dtype, seed=2, strided=True), norm_weight(shape[1], dtype)
+    scale = STATIC_SCALE.cuda() if static else None
+    q, s = q_ops.rms_norm_quant_fp8(x, w, 1e-6, scale)
+    check_quantized(q, s, q_ops.rms_norm_ref(x, w, 1e-6), scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("static", [False, True])
+def test_fused_add_rms_norm_quant(dtype, shape, static):
+    x, res, w = rows(*shape, dtype, seed=3), rows(*shape, dtype, seed=4, strided=True), norm_weight(shape[1], dtype)
+    scale = STATIC_SCALE.cuda() if static else None
+    q, s, residual = q_ops.fused_add_rms_norm_quant_fp8(x, res, w, 1e-6, scale)
+    assert torch.equal(residual, x + res)
+    check_quantized(q, s, q_ops.rms_norm_ref(x + res, w, 1e-6), scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("static", [False, True])
+def test_silu_mul_quant(dtype, shape, static):
+    x = rows(shape[0], 2 * shape[1], dtype, seed=5)
+    scale = STATIC_SCALE.cuda() if static else None
+    q, s = q_ops.silu_mul_quant_fp8(x, scale)
+    assert q.shape == (shape[0], shape[1])
+    check_quantized(q, s, q_ops.silu_mul_ref(x), scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_add_rms_norm(dtype, shape):
+    # same roundings as the reference; the sum of squares' order can move a value by one step
+    x, res, w = rows(*shape, dtype, seed=6, strided=True), rows(*shape, dtype, seed=7), norm_weight(shape[1], dtype)
+    out, residual = OPS.fused_add_rms_norm(x, res, w, 1e-6)
+    want, want_residual = fused_add_rms_norm_ref(x, res, w, 1e-6)
+    assert torch.equal(residual, want_residual)
+    torch.testing.assert_close(out, want, rtol=max(STEP[dtype], 1e-5), atol=1e-6)
+    assert (out != want).float().mean().item() <= (1e-3 if dtype != torch.float32 else 0.5)
+
+
+def rope_fp32_ref(positions, x, cos_sin, weight, eps):
+    """RoPE computed in fp32 and rounded once (the kernel's arithmetic; Inductor's for the
+    unfused graph), cos/sin rounded to x's dtype first as apply_rope does."""
+    dtype = x.dtype
+    if weight is not None:
+        x = rms_norm(x, weight, eps)
+    cos, sin = cos_sin[positions].chunk(2, dim=-1)
+    cos = torch.cat([cos, cos], dim=-1).to(dtype).float()[:, None]  # [num_tokens, 1, head_size]
+    sin = torch.cat([sin, sin], dim=-1).to(dtype).float()[:, None]
+    x = x.float()
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("num_tokens", [1, 37])
+def test_rope_and_cache(dtype, head_size, qk_norm, num_tokens):
+    args = list(cuda(rope_inputs(dtype, num_tokens, num_heads=8, num_kv_heads=2, head_size=head_size,
+                                 qk_norm=qk_norm, seed=head_size + num_tokens)))
+    if dtype == torch.bfloat16 and num_tokens == 1:
+        args[4] = args[4].to(dtype)  # a cos_sin_cache in the model dtype (model.to(dtype) casts buffers)
+    positions, q, k, v, cos_sin, q_w, k_w, eps, key_cache, value_cache, slots = args
+    ref_args = args[:8] + [key_cache.clone(), value_cache.clone(), slots]
+    out = OPS.rope_and_cache(*args)
+    want = rope_and_cache_ref(*ref_args)
+    assert out.shape == q.shape and out.is_contiguous()
+    # vs the fp32 arithmetic: within a step (two with QK-norm, whose reduction order differs);
+    # vs eager's roundings of each product: within two (three)
+    steps = 2 if qk_norm else 1
+    tol = dict(rtol=max(steps * STEP[dtype], 1e-5), atol=1e-5 if dtype == torch.float32 else 1e-3)
+    torch.testing.assert_close(out, rope_fp32_ref(positions, q, cos_sin, q_w, eps), **tol)
+    # eager: up to half a step of each product's magnitude (|x| < ~6) twice, plus the sum's rounding
+    loose = dict(rtol=max((steps + 1) * STEP[dtype], 1e-5),
+                 atol={torch.float32: 1e-5, torch.bfloat16: 0.08, torch.float16: 0.01}[dtype])
+    torch.testing.assert_close(out, want, **loose)
+    written = slots >= 0
+    rows_k = key_cache.view(-1, *k.shape[1:])
+    torch.testing.assert_close(rows_k[slots[written]], rope_fp32_ref(positions, k, cos_sin, k_w, eps)[written], **tol)
+    torch.testing.assert_close(key_cache, ref_args[8], **loose)  # other rows untouched (equal)
+    assert torch.equal(value_cache, ref_args[9])
+
+
+def all_cases():
+    cases = [(op, cuda(args)) for op, args in quant_cases(torch.bfloat16)]
+    for qk_norm in (False, True):
+        cases.append((OPS.rope_and_cache.default, cuda(rope_inputs(torch.bfloat16, qk_norm=qk_norm))))
+    return cases
+
+
+def test_opcheck():
+    for op, args in all_cases():
+        torch.library.opcheck(op, args)
+
+
+def test_cuda_graph_capture_and_replay():
+    """Each op captured once, then replayed after new values are written into its input buffers:
+    the same outputs (and cache rows) as a direct call on those values."""
+    for op, args in all_cases():
+        is_rope = op is OPS.rope_and_cache.default
+        inputs = [args[i] for i in ((1, 2, 3) if is_rope else (0, 1) if "add" in op.name() else (0,))]
+        op(*args)  # warm-up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = op(*args)
+        for t in inputs:
+            t.copy_(torch.randn(t.shape, device="cuda").to(t.dtype))
+        caches = [args[8].clone(), args[9].clone()] if is_rope else []
+        graph.replay()
+        replayed_caches = [args[8].clone(), args[9].clone()] if is_rope else []
+        for cache, before in zip(args[8:10] if is_rope else [], caches):
+            cache.copy_(before)
+        direct = op(*args)
+        captured = captured if isinstance(captured, (tuple, list)) else [captured]
+        direct = direct if isinstance(direct, (tuple, list)) else [direct]
+        for a, b in zip(captured, direct):
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), op
+        for a, b in zip(replayed_caches, args[8:10] if is_rope else []):
+            assert torch.equal(a, b), op
+
+
+def pass_matches(dump_dir):
+    matches = {}
+    for path in glob.glob(os.path.join(dump_dir, "**", "report.json"), recursive=True):
+        with open(path) as f:
+            for p in json.load(f)["passes"]:
+                matches[p["pass"]] = matches.get(p["pass"], 0) + p["matches"]
+    return matches
+
+
+FUSIONS = ("RMSNormQuantFusionPass", "SiluMulQuantFusionPass", "RopeAttentionFusionPass")
+
+
+def test_fp8_model_same_tokens_with_and_without_fusions(tmp_path):
+    """The compiled 2-layer smollm2-135m (bf16, fp8 W8A8, CUDA graphs): the fusion passes on
+    (fused CUDA kernels) and off give the same greedy tokens."""
+    prompts = [list(range(100, 140)), [5, 6, 7], list(range(300, 317))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens, matches = {}, {}
+    for fuse in (True, False):
+        dump = str(tmp_path / f"dump_{fuse}")
+        llm = LLM("dummy:smollm2-135m", quantization="fp8", device="cuda", model_overrides={"num_hidden_layers": 2},
+                  max_model_len=256, num_kv_blocks=64,
+                  compilation_config={"use_cache": False, "dump_dir": dump, "cudagraph_capture_sizes": [1, 2, 4, 8],
+                                      "passes": {"fuse_norm_quant": fuse, "fuse_act_quant": fuse,
+                                                 "fuse_rope_attention": fuse}})
+        tokens[fuse] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        matches[fuse] = pass_matches(dump)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert all(matches[True].get(name, 0) > 0 for name in FUSIONS), matches[True]
+    assert not any(matches[False].get(name, 0) for name in FUSIONS), matches[False]
+    assert tokens[True] == tokens[False]
+
+
+# -- timing table (script) ---------------------------------------------------------------------
+
+def _median_us(fn, iters=200, warmup=20):
+    """Median of per-call CUDA-event times, with L2 flushed before each call (cold inputs)."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return statistics.median(times)
+
+
+def _bench_cases(num_tokens, hidden=4096, dtype=torch.bfloat16):
+    x, res, w = rows(num_tokens, hidden, dtype, 1), rows(num_tokens, hidden, dtype, 2), norm_weight(hidden, dtype)
+    gate_up = rows(num_tokens, 2 * hidden, dtype, 3)
+    s = STATIC_SCALE.cuda()
+    rope = cuda(rope_inputs(dtype, num_tokens, num_heads=32, num_kv_heads=8, head_size=128))
+    positions, q, k, v, cos_sin, _, _, eps, key_cache, value_cache, slots = rope
+    qn_w, kn_w = norm_weight(128, dtype), norm_weight(128, dtype)
+    rope_args = [positions, q, k, v, cos_sin, None, None, eps, key_cache, value_cache, slots]
+    qk_args = [positions, q, k, v, cos_sin, qn_w, kn_w, eps, key_cache, value_cache, slots]
+    return {
+        "quant_fp8_per_token": (lambda: OPS.quant_fp8_per_token(x), lambda: q_ops.quant_fp8_per_token_ref(x)),
+        "quant_fp8_static": (lambda: OPS.quant_fp8_static(x, s), lambda: q_ops.quant_fp8_static_ref(x, s)),
+        "rms_norm_quant_fp8 (per token)": (lambda: OPS.rms_norm_quant_fp8(x, w, 1e-6, None),
+                                           lambda: q_ops.quant_fp8_per_token_ref(q_ops.rms_norm_ref(x, w, 1e-6))),
+        "rms_norm_quant_fp8 (static)": (lambda: OPS.rms_norm_quant_fp8(x, w, 1e-6, s),
+                                        lambda: q_ops.quant_fp8_static_ref(q_ops.rms_norm_ref(x, w, 1e-6), s)),
+        "fused_add_rms_norm_quant_fp8 (per token)": (
+            lambda: OPS.fused_add_rms_norm_quant_fp8(x, res, w, 1e-6, None),
+            lambda: q_ops.quant_fp8_per_token_ref(q_ops.rms_norm_ref(x + res, w, 1e-6))),
+        "fused_add_rms_norm": (lambda: OPS.fused_add_rms_norm(x, res, w, 1e-6),
+                               lambda: fused_add_rms_norm_ref(x, res, w, 1e-6)),
+        "silu_mul_quant_fp8 (per token)": (lambda: OPS.silu_mul_quant_fp8(gate_up, None),
+                                           lambda: q_ops.quant_fp8_per_token_ref(q_ops.silu_mul_ref(gate_up))),
+        "rope_and_cache (32/8 heads x 128)": (lambda: OPS.rope_and_cache(*rope_args),
+                                              lambda: rope_and_cache_ref(*rope_args)),
+        "rope_and_cache + qk-norm": (lambda: OPS.rope_and_cache(*qk_args), lambda: rope_and_cache_ref(*qk_args)),
+    }
+
+
+def main(out_path):
+    results = []
+    for num_tokens in (1, 4096):
+        for name, (fused, unfused) in _bench_cases(num_tokens).items():
+            f, u = _median_us(fused), _median_us(unfused)
+            results.append({"op": name, "num_tokens": num_tokens, "hidden": 4096, "dtype": "bfloat16",
+                            "fused_us": round(f, 2), "unfused_torch_us": round(u, 2), "speedup": round(u / f, 2)})
+            print(f"{name:42s} {num_tokens:5d} tokens  fused {f:9.2f} us  unfused torch {u:9.2f} us  x{u / f:5.2f}")
+    data = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": os.environ.get("COMMIT", ""),
+            "method": "CUDA events per call, median of 200 after 20 warm-up, L2 flushed before each call; "
+                      "unfused = the eager torch composition (the ops' *_ref functions)",
+            "results": results}
+    with open(out_path, "w") as f:
+        json.dump(data, f, indent=2)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
