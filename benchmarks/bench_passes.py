@@ -15,8 +15,8 @@ graph's GPU time alone) at batch 1 and 64 with `--context` tokens of context, an
 prefills one `--prefill`-token prompt (median of 3). RMSNorm+quant and SiLU+quant run the model in
 FP8 mode (`quantization="fp8"`); QK-norm+RoPE runs Qwen3-0.6B.
 
-    python -m benchmarks.bench_passes                       # CUDA if available: (a) + (b)
-    python -m benchmarks.bench_passes --device cpu          # CPU: (a) only, 1 thread
+    python benchmarks/bench_passes.py                       # CUDA if available: (a) + (b)
+    python benchmarks/bench_passes.py --device cpu          # CPU: (a) only, 1 thread
 """
 
 from __future__ import annotations
@@ -24,17 +24,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import os
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 
-from benchmarks.common import print_table, watch_compiles, write_result
-from compilelm.layers.activation import SiluAndMul
-from compilelm.layers.layernorm import rms_norm
-from compilelm.ops import quant as _quant_ops  # noqa: F401
-from compilelm.passes import PassConfig, PassManager
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import print_table, watch_compiles, write_result  # noqa: E402
+from compilelm.layers.activation import SiluAndMul  # noqa: E402
+from compilelm.layers.layernorm import rms_norm  # noqa: E402
+from compilelm.ops import quant as _quant_ops  # noqa: E402, F401
+from compilelm.passes import PassConfig, PassManager  # noqa: E402
 
 HIDDEN, INTER, EPS = 576, 1536, 1e-5
 ops = torch.ops.compilelm
@@ -183,6 +186,7 @@ def engine_times(model: str, quantization: str | None, off: str | None, args) ->
 
     max_len = max(args.prefill, args.context + args.steps + 16) + 16
     blocks = max(args.batches) * -(-(args.context + args.steps + 16) // 16) + -(-max_len // 16) + 16
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="compilelm-passes-") as tmp, watch_compiles() as compiled:
         compilation = {"cudagraph_capture_sizes": args.batches, "passes": {off: False} if off else {},
                        "cache_dir": args.cache_dir or tmp}  # a fresh cache: the passes run and count matches
@@ -191,7 +195,9 @@ def engine_times(model: str, quantization: str | None, off: str | None, args) ->
                   num_kv_blocks=blocks, enable_prefix_caching=False, compilation_config=compilation,
                   model_overrides={"num_hidden_layers": args.layers} if args.layers else {})
     engine = llm.engine
-    out = {"matches": {p.name: p.matches for cm in compiled for p in cm.manager.passes if "Fusion" in p.name}}
+    cold = [cm for cm in compiled if cm.mode != "warm"]  # a warm start loads pieces: no pass runs, no matches
+    out = {"startup_s": time.perf_counter() - t0, "matches": None if compiled and not cold else
+           {p.name: p.matches for cm in cold for p in cm.manager.passes if "Fusion" in p.name}}
     for b in args.batches:
         out[f"decode_b{b}_ms"], out[f"graph_b{b}_ms"] = time_ours(engine, b, args.context, args.steps)
     params = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -211,6 +217,10 @@ def engine_times(model: str, quantization: str | None, off: str | None, args) ->
     return out
 
 
+def matches(times: dict, switch: str) -> int | str:
+    return "cached" if times["matches"] is None else times["matches"].get(SWITCH_PASS[switch], 0)
+
+
 def e2e_rows(args) -> list[dict]:
     measured: dict = {}  # (model, quantization, switch off) -> times; the -O2 baselines are shared
 
@@ -226,13 +236,15 @@ def e2e_rows(args) -> list[dict]:
 
     rows = []
     for fusion, model, quant, switch in E2E_CASES:
+        if fusion not in args.cases:
+            continue
         on, off = times(model, quant, None), times(model, quant, switch)
         for key in on:
-            if key in ("error", "matches") or key not in off or (on[key] is None and off[key] is None):
+            if key in ("error", "matches", "startup_s") or key not in off or (on[key] is None and off[key] is None):
                 continue
             row = {"fusion": fusion, "model": model.split(":")[-1] + (" fp8" if quant else ""), "measure": key,
-                   "on_ms": on[key], "off_ms": off[key], "matches_on": on["matches"].get(SWITCH_PASS[switch], 0),
-                   "matches_off": off["matches"].get(SWITCH_PASS[switch], 0)}
+                   "on_ms": on[key], "off_ms": off[key], "matches_on": matches(on, switch),
+                   "matches_off": matches(off, switch)}
             if on[key] and off[key]:
                 row["speedup"] = off[key] / on[key]
             rows.append(row)
@@ -250,6 +262,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--piece-layers", type=int, default=2, help="layers of the attention-fusion pieces")
     ap.add_argument("--no-pieces", action="store_true")
     ap.add_argument("--e2e", action=argparse.BooleanOptionalAction, default=None, help="default: on for CUDA")
+    ap.add_argument("--cases", nargs="+", choices=[c[0] for c in E2E_CASES], default=[c[0] for c in E2E_CASES],
+                    help="end to end: the fusions to switch off one at a time")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64], help="end to end: decode batch sizes")
     ap.add_argument("--context", type=int, default=512, help="end to end: decode context")
     ap.add_argument("--steps", type=int, default=32, help="end to end: timed decode steps")

@@ -64,3 +64,70 @@ def watch_compiles():
         yield seen
     finally:
         CompiledModel.compile = original
+
+
+def summary(out_dir: str) -> list[dict]:
+    """One compact table over the JSON results in `out_dir` (scripts/gpu_bench.sh prints it last):
+    a row per headline number, with its target or reference and whether it was met."""
+    def load(name):
+        try:
+            with open(os.path.join(out_dir, f"{name}.json")) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def status(ok):
+        return ok if isinstance(ok, str) else "-" if ok is None else ("met" if ok else "MISSED")
+
+    rows = []
+    add = lambda bench, case, value, ref="", ok=None: rows.append(  # noqa: E731
+        {"benchmark": bench, "case": case, "value": value, "target/reference": ref, "status": status(ok)})
+    if d := load("bench_decode"):
+        for r in d["rows"]:
+            if "error" in r:
+                add("decode", r["model"], "ERROR", r["error"][:60])
+                continue
+            case = f"{r['model'].split(':')[-1]} b{r['batch']} ctx{r['context']}"
+            target = r.get("target_ms")
+            add("decode", case, f"{r['ours_ms']:.3f} ms/step", f"target {target} ms; roofline {r['roofline_ms']:.3f}"
+                if target else f"roofline {r['roofline_ms']:.3f} ms", None if target is None else r["ours_ms"] <= target)
+            if r.get("speedup_vs_hf"):
+                add("decode", case + " vs HF", f"{r['speedup_vs_hf']:.2f}x", f"HF {r.get('hf_mode')}"
+                    + ("; target >= 2x" if r["batch"] == 64 else ""), r["speedup_vs_hf"] >= 2 if r["batch"] == 64 else None)
+    if d := load("bench_throughput"):
+        for r in d["rows"]:
+            if r.get("engine") == "compilelm":
+                ref = f"{r['speedup_vs_hf']:.2f}x HF generate; " if r.get("speedup_vs_hf") else ""
+                value = f"{r['output_tok_s']:.0f} out tok/s" if "output_tok_s" in r else "ERROR " + r["error"][:60]
+                add("throughput", f"{r['model'].split(':')[-1]} {r.get('requests')} req", value,
+                    ref + "vLLM 8.6-9.5k tok/s Qwen3-0.6B A100")
+    if d := load("bench_compile_gpu"):
+        for r in d["rows"]:
+            add("compile", f"{r['model'].split(':')[-1]} {r['run']}", f"{r['ready_s']:.1f} s" if "ready_s" in r else "FAILED",
+                f"target {r['target_s']} s" if r.get("target_s") else "", None if not r.get("met") else r["met"] == "met")
+    if d := load("bench_passes_gpu"):
+        per_fusion: dict = {}
+        for r in d.get("rows", []):
+            per_fusion.setdefault(("piece", r["fusion"]), []).append(
+                f"{r.get('tokens')}:{r['speedup']:.2f}x" if "speedup" in r else "error")
+        for r in d.get("e2e_rows", []):
+            if "speedup" in r:
+                per_fusion.setdefault(("e2e", r["fusion"]), []).append(
+                    f"{r['measure'].replace('_ms', '')}:{r['speedup']:.2f}x")
+            elif "error" in r:
+                per_fusion.setdefault(("e2e", r["fusion"]), []).append("error")
+        for (kind, fusion), items in per_fusion.items():
+            add("passes " + kind, fusion, " ".join(items), "speedup = off / on (tokens or measure)")
+    if d := load("bench_attention"):
+        s = d.get("summary", {})
+        add("attention", "paged decode, min % of copy bw", f"{s.get('min_pct_of_copy_bw_at_target_sizes', 0):.1f}%",
+            s.get("target", ""), s.get("target_met"))
+    try:
+        with open(os.path.join(out_dir, "timings.txt")) as f:
+            for line in f:
+                name, rc, secs = line.split()
+                add("elapsed", name, f"{secs} s", f"rc {rc}" + (" (timed out)" if rc in ("124", "137") else ""),
+                    "ok" if rc == "0" else "FAILED")
+    except OSError:
+        pass
+    return rows

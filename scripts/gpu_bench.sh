@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# One call on the GPU machine for every GPU benchmark: build the CUDA extension (skipped when
+# compilelm/_C for this Python is already there), then bench_decode, bench_throughput,
+# bench_compile (GPU mode), bench_passes (GPU mode) and bench_attention, one after another. Each
+# writes its JSON and log into $OUT (the device tool brings that folder back; else
+# /tmp/gpu_bench) and is capped by a timeout so that the whole run stays under ~9 minutes on an
+# H100; the elapsed time of each is printed, and one summary table comes last.
+#
+#   bash scripts/gpu_bench.sh [decode throughput compile passes attention]   (default: all)
+#   QUICK=1 bash scripts/gpu_bench.sh     # tiny sizes: a crash test of the whole script (~4 min)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_bench}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+QUICK=${QUICK:-0}
+benches=("$@")
+[ ${#benches[@]} -eq 0 ] && benches=(decode throughput compile passes attention)
+t_start=$(date +%s)
+: >"$OUT/timings.txt"
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/env.txt"
+$PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)" | tee -a "$OUT/env.txt"
+
+# 1. build with the system compiler (the image's /opt/gcc has only a static libstdc++)
+tag=$($PY -c 'import sys; print(f"{sys.version_info.major}{sys.version_info.minor}")')
+if ! ls compilelm/_C.cpython-$tag-*.so >/dev/null 2>&1; then
+  start=$(date +%s)
+  if ! CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ $PY -m pip install --no-build-isolation --no-deps -e . -v \
+      >"$OUT/build.log" 2>&1; then
+    grep -E "error|Error" "$OUT/build.log" | head -40
+    exit 1
+  fi
+  echo "build: $(($(date +%s) - start)) s"
+  echo "build 0 $(($(date +%s) - start))" >>"$OUT/timings.txt"
+fi
+$PY -c "
+import torch, compilelm.ops
+for op in ('paged_attention', 'reshape_and_cache'):
+    assert torch._C._dispatch_has_kernel_for_dispatch_key('compilelm::' + op, 'CUDA'), op + ': no CUDA kernel'
+print('CUDA kernels registered')
+" || exit 1
+
+# 2. benchmarks: name, timeout (s), arguments (full / QUICK)
+if [ "$QUICK" = 1 ]; then
+  decode_args=(--models dummy:smollm2-135m --batches 1 8 --context 256 --steps 8 --no-hf)
+  throughput_args=(--models dummy:smollm2-135m dummy:qwen3-0.6b --num-requests 16 --max-len 128 --hf-batch 8
+                   --hf-num-requests 8)
+  compile_args=(--device cuda --models dummy:smollm2-135m --max-model-len 2048)
+  passes_args=(--device cuda --tokens 1 64 --iters 10 --piece-layers 1 --layers 2 --batches 1 8 --context 64
+               --steps 4 --prefill 256)
+  attention_args=(--batches 1 64 --contexts 512 4096 --iters 5)
+  declare -A limit=([decode]=60 [throughput]=50 [compile]=70 [passes]=120 [attention]=30)
+else
+  decode_args=()
+  throughput_args=(--hf-num-requests 64)
+  compile_args=(--device cuda)
+  passes_args=(--device cuda --iters 20)
+  attention_args=(--batches 1 16 64 256 --contexts 512 2048 8192 --iters 20)
+  declare -A limit=([decode]=140 [throughput]=110 [compile]=100 [passes]=130 [attention]=50)
+fi
+
+run() {  # run NAME SCRIPT ARGS...: log to $OUT/NAME.log, JSON to $OUT/<script's name>.json
+  local name=$1 script=$2 json=$3; shift 3
+  local start=$(date +%s)
+  echo "=== $name (timeout ${limit[$name]} s): $script $*"
+  timeout -k 10 "${limit[$name]}" $PY "$script" --out "$OUT/$json.json" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  local secs=$(($(date +%s) - start))
+  tr '\r' '\n' <"$OUT/$name.log" | grep -v -E "(it|req|batch|graph)/s\]|s/(it|req|batch|graph)\]|^\s*$" | tail -25
+  echo "=== $name: rc $rc, $secs s"
+  echo "$name $rc $secs" >>"$OUT/timings.txt"
+}
+
+for b in "${benches[@]}"; do
+  case $b in
+    decode) run decode benchmarks/bench_decode.py bench_decode "${decode_args[@]}" ;;
+    throughput) run throughput benchmarks/bench_throughput.py bench_throughput "${throughput_args[@]}" ;;
+    compile) run compile benchmarks/bench_compile.py bench_compile_gpu "${compile_args[@]}" ;;
+    passes) run passes benchmarks/bench_passes.py bench_passes_gpu "${passes_args[@]}" ;;
+    attention) run attention benchmarks/bench_attention.py bench_attention "${attention_args[@]}" ;;
+    *) echo "unknown benchmark $b"; exit 2 ;;
+  esac
+done
+
+echo
+echo "=== summary ($(($(date +%s) - t_start)) s in all; JSON and logs in $OUT)"
+$PY -c "
+import sys
+from benchmarks.common import print_table, summary
+print_table(summary(sys.argv[1]), ['benchmark', 'case', 'value', 'target/reference', 'status'])
+" "$OUT"
+! grep -q -v " 0 [0-9]*$" "$OUT/timings.txt"
