@@ -2,12 +2,13 @@
 # One call on the GPU machine for every GPU benchmark: build the CUDA extension (skipped when
 # compilelm/_C for this Python is already there), then bench_decode, bench_throughput,
 # bench_compile (GPU mode), bench_passes (GPU mode) and bench_attention, one after another. Each
-# writes its JSON and log into $OUT (the device tool brings that folder back; else
-# /tmp/gpu_bench) and is capped by a timeout so that the whole run stays under ~9 minutes on an
-# H100; the elapsed time of each is printed, and one summary table comes last.
+# writes its JSON into $OUT (the device tool brings that folder back; else /tmp/gpu_bench) and
+# appends its log to $OUT/logs.txt (few files: the tool brings back at most 8), and is capped by a
+# timeout so that the whole run stays under ~9 minutes on an H100; the elapsed time of each is
+# printed, and one summary table comes last.
 #
 #   bash scripts/gpu_bench.sh [decode throughput compile passes attention]   (default: all)
-#   QUICK=1 bash scripts/gpu_bench.sh     # tiny sizes: a crash test of the whole script (~4 min)
+#   QUICK=1 bash scripts/gpu_bench.sh [...]   # tiny sizes: a crash test of the script (~5 min in all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_bench}
@@ -18,18 +19,19 @@ QUICK=${QUICK:-0}
 benches=("$@")
 [ ${#benches[@]} -eq 0 ] && benches=(decode throughput compile passes attention)
 t_start=$(date +%s)
+LOGS=$(mktemp -d /tmp/gpu_bench_logs.XXXXXX)  # each benchmark's full log, appended to $OUT/logs.txt
 : >"$OUT/timings.txt"
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/env.txt"
-$PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)" | tee -a "$OUT/env.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/logs.txt"
+$PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)" | tee -a "$OUT/logs.txt"
 
 # 1. build with the system compiler (the image's /opt/gcc has only a static libstdc++)
 tag=$($PY -c 'import sys; print(f"{sys.version_info.major}{sys.version_info.minor}")')
 if ! ls compilelm/_C.cpython-$tag-*.so >/dev/null 2>&1; then
   start=$(date +%s)
   if ! CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ $PY -m pip install --no-build-isolation --no-deps -e . -v \
-      >"$OUT/build.log" 2>&1; then
-    grep -E "error|Error" "$OUT/build.log" | head -40
+      >"$LOGS/build.log" 2>&1; then
+    grep -E "error|Error" "$LOGS/build.log" | head -40 | tee -a "$OUT/logs.txt"
     exit 1
   fi
   echo "build: $(($(date +%s) - start)) s"
@@ -65,10 +67,13 @@ run() {  # run NAME SCRIPT ARGS...: log to $OUT/NAME.log, JSON to $OUT/<script's
   local name=$1 script=$2 json=$3; shift 3
   local start=$(date +%s)
   echo "=== $name (timeout ${limit[$name]} s): $script $*"
-  timeout -k 10 "${limit[$name]}" $PY "$script" --out "$OUT/$json.json" "$@" >"$OUT/$name.log" 2>&1
+  timeout -k 10 "${limit[$name]}" $PY "$script" --out "$OUT/$json.json" "$@" >"$LOGS/$name.log" 2>&1
   local rc=$?
   local secs=$(($(date +%s) - start))
-  tr '\r' '\n' <"$OUT/$name.log" | grep -v -E "(it|req|batch|graph)/s\]|s/(it|req|batch|graph)\]|^\s*$" | tail -25
+  tr '\r' '\n' <"$LOGS/$name.log" | grep -v -E "(it|req|batch|graph)/s\]|s/(it|req|batch|graph)\]|^\s*$" \
+    >"$LOGS/$name.clean.log"
+  { echo "=== $name: $script $* (rc $rc, $secs s)"; cat "$LOGS/$name.clean.log"; } >>"$OUT/logs.txt"
+  tail -25 "$LOGS/$name.clean.log"
   echo "=== $name: rc $rc, $secs s"
   echo "$name $rc $secs" >>"$OUT/timings.txt"
 }
@@ -90,5 +95,5 @@ $PY -c "
 import sys
 from benchmarks.common import print_table, summary
 print_table(summary(sys.argv[1]), ['benchmark', 'case', 'value', 'target/reference', 'status'])
-" "$OUT"
+" "$OUT" | tee -a "$OUT/logs.txt"
 ! grep -q -v " 0 [0-9]*$" "$OUT/timings.txt"
