@@ -117,9 +117,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_op(const at::Tensor& x, 
   return {out, out_scale, residual_out};
 }
 
-// The quant ops: quant(x), or quant(silu(gate) * up) with silu_mul.
+// The quant ops: quant(x), or quant(silu(gate) * up) with silu_mul. A static scale is returned
+// as a copy (outputs may not alias inputs) unless the op does not return it.
 std::tuple<at::Tensor, at::Tensor> quant_op(const at::Tensor& x, const std::optional<at::Tensor>& scale, bool silu_mul,
-                                            const char* op) {
+                                            bool return_scale, const char* op) {
   const at::Tensor x_rows = as_rows(x, op);
   const c10::cuda::CUDAGuard device_guard(x.device());
   TORCH_CHECK(!silu_mul || x.size(-1) % 2 == 0, op, ": x's last dim must be even (gate | up), got ", x.size(-1));
@@ -128,14 +129,14 @@ std::tuple<at::Tensor, at::Tensor> quant_op(const at::Tensor& x, const std::opti
   QuantMode mode = QuantMode::kDynamic;
   if (scale.has_value()) {
     check_static_scale(*scale, x, op);
-    out_scale = scale->clone();
+    out_scale = return_scale ? scale->clone() : scale->contiguous();
     mode = QuantMode::kStatic;
   } else {
     out_scale = per_token_scale(x);
   }
   if (x_rows.size(0) == 0) return {q, out_scale};
   RowParams p = row_params(x_rows, q, cols);
-  p.scale = out_scale.mutable_data_ptr<float>();
+  p.scale = out_scale.data_ptr<float>();  // only read when static
   launch_quant(p, x.scalar_type(), silu_mul, mode, can_vectorize(x_rows, cols));
   return {q, out_scale};
 }
@@ -143,15 +144,15 @@ std::tuple<at::Tensor, at::Tensor> quant_op(const at::Tensor& x, const std::opti
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> quant_fp8_per_token(const at::Tensor& x) {
-  return quant_op(x, std::nullopt, /*silu_mul=*/false, "quant_fp8_per_token");
+  return quant_op(x, std::nullopt, /*silu_mul=*/false, /*return_scale=*/true, "quant_fp8_per_token");
 }
 
 at::Tensor quant_fp8_static(const at::Tensor& x, const at::Tensor& scale) {
-  return std::get<0>(quant_op(x, scale, /*silu_mul=*/false, "quant_fp8_static"));
+  return std::get<0>(quant_op(x, scale, /*silu_mul=*/false, /*return_scale=*/false, "quant_fp8_static"));
 }
 
 std::tuple<at::Tensor, at::Tensor> silu_mul_quant_fp8(const at::Tensor& x, const std::optional<at::Tensor>& scale) {
-  return quant_op(x, scale, /*silu_mul=*/true, "silu_mul_quant_fp8");
+  return quant_op(x, scale, /*silu_mul=*/true, /*return_scale=*/true, "silu_mul_quant_fp8");
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_quant_fp8(const at::Tensor& x, const at::Tensor& weight, double eps,
