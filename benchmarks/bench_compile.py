@@ -110,7 +110,8 @@ def child_engine(model: str, cache_dir: str, started: float, max_model_len: int 
         _timed(cuda_graphs.CUDAGraphRunner, "capture", record, "graph_capture")
     log = []
     handler = logging.Handler()
-    handler.emit = lambda r: log.append(r.getMessage())
+    handler.emit = lambda r: (log.append(r.getMessage()), print(f"[{time.time() - started:6.1f} s] {r.getMessage()}",
+                                                                file=sys.stderr, flush=True))
     logging.getLogger("compilelm").addHandler(handler)
     logging.getLogger("compilelm").setLevel(logging.INFO)
     from compilelm import LLM
@@ -134,7 +135,7 @@ def child_engine(model: str, cache_dir: str, started: float, max_model_len: int 
     compile_rest = compile_s - sum(stages[k] for k in ("dynamo", "passes_lowering", "inductor", "cache_load"))
     stages["other"] = engine_s - stages["weights"] - record.get("runner", 0.0) + max(compile_rest, 0.0)
     graphs = getattr(llm.engine.model_runner, "cuda_graphs", None)
-    print(json.dumps({"model": model, "mode": cm.mode if cm else None, "ready_s": ready - started, "stages": stages,
+    print(json.dumps({"model": model, "device": "cuda" if cuda else "cpu", "mode": cm.mode if cm else None, "ready_s": ready - started, "stages": stages,
                       "compile_s": compile_s, "compile_times": times, "graph_capture_s": record.get("graph_capture"), "counters": cm.counters if cm else None,
                       "num_graphs": len(graphs.graphs) if graphs else 0,
                       "graph_mib": graphs.memory_bytes / 2**20 if graphs else None, "log": log}))
@@ -148,12 +149,15 @@ def gpu_startup(model: str, max_model_len: int | None) -> dict:
                    TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"))
         for run in ("cold", "warm"):
             started = time.time()
+            print(f"{model} {run}: starting", flush=True)
+            # the child's stderr (engine log, capture progress) goes straight to ours, for the log
             proc = subprocess.run([sys.executable, __file__, "--child-engine", model, cache_dir, repr(started),
-                                   str(max_model_len or 0)], capture_output=True, text=True, cwd=REPO, env=env)
+                                   str(max_model_len or 0)], stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
             if proc.returncode != 0:
-                raise RuntimeError(proc.stderr[-3000:])
+                raise RuntimeError(f"{run} start of {model} exited with {proc.returncode} (its stderr is above)")
             out[run] = {**json.loads(proc.stdout.strip().splitlines()[-1]), "process_s": time.time() - started}
-            print(f"{model} {run}: ready in {out[run]['ready_s']:.1f} s", flush=True)
+            print(f"{model} {run}: ready in {out[run]['ready_s']:.1f} s (process exited at "
+                  f"{out[run]['process_s']:.1f} s)", flush=True)
     return out
 
 
@@ -176,8 +180,9 @@ def gpu_main(args) -> None:
                    "met": None if target is None else ("met" if r["ready_s"] <= target else "MISSED")}
             rows.append(row)
     path = write_result("bench_compile_gpu", {**result, "rows": rows}, args.out)
-    print("\nengine startup on CUDA, seconds from process start to engine ready (cold: empty compile + Inductor caches;"
-          " capture includes the KV cache allocation)")
+    devices = sorted({r["device"] for runs in result["models"].values() for r in runs.values() if isinstance(r, dict)})
+    print(f"\nengine startup ({', '.join(devices)}), seconds from process start to engine ready (cold: empty compile"
+          " + Inductor caches; capture includes the KV cache allocation)")
     print_table(rows, ["model", "run", "ready_s", *STAGES, "graphs", "target_s", "met"])
     print(f"wrote {path}")
 

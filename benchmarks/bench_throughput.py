@@ -13,7 +13,8 @@ batches of --hf-batch requests in submission order, each run for the batch's lon
 inside one batch). Only each request's own drawn output tokens count as useful, so the padding
 rows' and the early-finished rows' extra tokens are HF's loss, as they would be in a real
 batch. `--hf-num-requests` times HF on the first N requests only (its rate is per useful token,
-so a subset is comparable) to keep the run short.
+so a subset is comparable; one batch of 64 costs as many steps as the whole run) to keep the run
+short, `--hf-models` picks the models HF runs on.
 
 Published anchor: vLLM 8.6k-9.5k output tok/s for Qwen3-0.6B on A100/A800 (nano-vllm README).
 
@@ -62,6 +63,7 @@ def bench_ours(name: str, args, overrides: dict) -> tuple[dict, list, list]:
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
               model_overrides=overrides)
     startup = time.perf_counter() - t0
+    print(f"{name}: engine ready in {startup:.1f} s", flush=True)
     engine = llm.engine
     prompts, out_lens = workload(args.num_requests, args.min_len, args.max_len, engine.model_config.vocab_size,
                                  args.seed)
@@ -126,6 +128,7 @@ def bench_hf(name: str, args, overrides: dict, prompts: list, out_lens: list, de
         sync(device)
         wall = time.perf_counter() - t0
     useful = sum(out_lens)
+    print(f"HF {name}: {useful / wall:.0f} useful output tok/s ({wall:.1f} s)", flush=True)
     del model
     gc.collect()
     if torch.cuda.is_available():
@@ -150,6 +153,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (smoke tests)")
     ap.add_argument("--hf-batch", type=int, default=64)
     ap.add_argument("--hf-num-requests", type=int, default=None, help="time HF on the first N requests (default all)")
+    ap.add_argument("--hf-models", nargs="*", default=None, help="models to also time HF on (default: all)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench_throughput.json)")
     args = ap.parse_args(argv)
@@ -171,7 +175,7 @@ def main(argv=None) -> dict:
         rows.append(row)
         print(f"{name}: {row['output_tok_s']:.0f} output tok/s ({row['wall_s']:.1f} s)", flush=True)
         save()
-        if not args.no_hf:
+        if not args.no_hf and (args.hf_models is None or name in args.hf_models):
             device = torch.device(row["device"])
             try:
                 hf = bench_hf(name, args, overrides, prompts, out_lens, device, getattr(torch, row["dtype"]))
