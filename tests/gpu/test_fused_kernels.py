@@ -234,13 +234,20 @@ def pass_matches(dump_dir):
 FUSIONS = ("RMSNormQuantFusionPass", "SiluMulQuantFusionPass", "RopeAttentionFusionPass")
 
 
-@pytest.mark.parametrize("shape,dtype", [("llama3", "float32"), ("qwen3", "float32"), ("llama3", "bfloat16")])
-def test_fp8_model_same_tokens_with_and_without_fusions(shape, dtype, tmp_path):
+@pytest.mark.parametrize("shape", ["llama3", "qwen3"])
+def test_fp8_model_same_tokens_with_and_without_fusions(shape, tmp_path):
     """Compiled + CUDA graphs, fp8 W8A8: the fusion passes on (fused CUDA kernels: norm/act + quant,
     (QK-norm +) RoPE + cache write) and off give the same greedy tokens. Llama-3 and Qwen3 shapes
-    with random weights far from ties (tests/gpu/test_engine_gpu.py's models), chunked prefills
-    and padded decode graphs; in fp32 a kernel differs from the unfused graph by fp32 roundings
-    only. (The dummy smollm2-135m's near-uniform logits flip greedy ties at bf16 noise.)"""
+    with random weights (tests/gpu/test_engine_gpu.py's models), chunked prefills and padded
+    decode graphs.
+
+    fp32 activations: there a kernel and the unfused graph differ by fp32 roundings, which almost
+    never move an fp8 code. In bf16 they round differently by design (Inductor computes the unfused
+    silu(gate) * up and RoPE in fp32 and rounds once, the fused ops round as eager torch does), a
+    one-step bf16 difference moves ~1/16 of the fp8 codes, and these random 4-layer models then
+    pick other greedy tokens -- on CPU too, where the fused ops are the eager compositions
+    themselves. The bf16 kernels are checked op by op above."""
+    dtype = "float32"
     from tests.gpu.test_engine_gpu import build_hf_model, prompts
 
     build_hf_model(shape, tmp_path / "model")
