@@ -244,7 +244,7 @@ def test_fp8_model_same_tokens_with_and_without_fusions(shape, tmp_path):
     fp32 activations: there a kernel and the unfused graph differ by fp32 roundings, which almost
     never move an fp8 code. In bf16 they round differently by design (Inductor computes the unfused
     silu(gate) * up and RoPE in fp32 and rounds once, the fused ops round as eager torch does), a
-    one-step bf16 difference moves ~1/16 of the fp8 codes, and these random 4-layer models then
+    one-step bf16 difference moves ~1/32 of the fp8 codes it touches, and these random 4-layer models then
     pick other greedy tokens -- on CPU too, where the fused ops are the eager compositions
     themselves. The bf16 kernels are checked op by op above."""
     dtype = "float32"
