@@ -242,11 +242,12 @@ def test_fp8_model_same_tokens_with_and_without_fusions(shape, tmp_path):
     decode graphs.
 
     fp32 activations: there a kernel and the unfused graph differ by fp32 roundings, which almost
-    never move an fp8 code. In bf16 they round differently by design (Inductor computes the unfused
-    silu(gate) * up and RoPE in fp32 and rounds once, the fused ops round as eager torch does), a
-    one-step bf16 difference moves ~1/32 of the fp8 codes it touches, and these random 4-layer models then
-    pick other greedy tokens -- on CPU too, where the fused ops are the eager compositions
-    themselves. The bf16 kernels are checked op by op above."""
+    never move an fp8 code. In bf16 they round differently by design: Inductor computes the
+    unfused silu(gate) * up in fp32 and rounds once, the fused op rounds silu(gate) to bf16 first
+    (as eager torch and the CPU implementation do). A one-step bf16 difference moves ~1/32 of the
+    fp8 codes it touches, and these random 4-layer models then pick other greedy tokens: measured
+    on CPU too, where the fused ops are the eager compositions themselves. The bf16 kernels are
+    checked op by op above."""
     dtype = "float32"
     from tests.gpu.test_engine_gpu import build_hf_model, prompts
 
