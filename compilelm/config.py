@@ -71,6 +71,7 @@ class EngineConfig:
     compilation: object | None = None  # compilelm.graphs.CompileConfig; None = eager
     model_overrides: tuple[tuple[str, object], ...] = ()  # e.g. (("num_hidden_layers", 2),) for dummy
     quantization: str | None = None  # "fp8": W8A8 linears (compilelm/layers/quantization)
+    tensor_parallel_size: int = 1  # ranks, one process each (compilelm/runtime/executor.py)
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -79,6 +80,11 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.device.startswith("cuda:"):
+            raise ValueError(f"device {self.device!r}: with tensor_parallel_size > 1 rank r uses cuda:r; "
+                             "pass device='cuda'")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
@@ -101,4 +107,7 @@ class EngineConfig:
                    "block_size": self.cache.block_size, "model": model_config.to_dict()}
         if self.quantization is not None:  # absent when None: unquantized keys stay as they were
             factors["quantization"] = self.quantization
+        if self.tensor_parallel_size > 1:  # each rank's graph has its own shapes and vocab range
+            from compilelm.distributed.parallel_state import get_tp_rank
+            factors["tensor_parallel"] = {"size": self.tensor_parallel_size, "rank": get_tp_rank()}
         return factors

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from compilelm import LLM, SamplingParams
 from compilelm.config import EngineConfig
-from compilelm.layers.linear import Linear, MergedLinear
+from compilelm.layers.linear import Linear, MergedColumnParallelLinear
 from compilelm.layers.quantization import calibrate, quantize_model, quantize_weight_per_channel
 from compilelm.models.loader import build_model, load_model_config, resolve_model
 
@@ -40,7 +40,7 @@ def test_weight_quantization_per_channel():
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp8_linear_close_to_float(bias):
     torch.manual_seed(0)
-    layer = MergedLinear(64, {"gate": 48, "up": 48}, bias=bias)
+    layer = MergedColumnParallelLinear(64, {"gate": 48, "up": 48}, bias=bias)
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.1)
@@ -79,7 +79,7 @@ def test_lm_head_and_embeddings_stay_unquantized():
     mc = load_model_config(source, {"num_hidden_layers": 1, "tie_word_embeddings": False})
     model = build_model(source, mc, torch.float32, torch.device("cpu"), "fp8")
     layers = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
-    assert layers["lm_head"].weight.dtype == torch.float32
+    assert "lm_head" not in layers and model.lm_head.weight.dtype == torch.float32  # a ParallelLMHead
     assert model.model.embed_tokens.weight.dtype == torch.float32
     quantized = [n for n, m in layers.items() if m.weight.dtype == torch.float8_e4m3fn]
     assert sorted(quantized) == sorted(f"model.layers.0.{n}" for n in

@@ -4,7 +4,8 @@ The model is loaded exactly as the engine loads it, so the compile-cache key is 
 and `LLM(...)` will compute: running this pre-warms the cache. `--dump DIR` writes what the
 compiler did (graphs before/after every pass, the split, Inductor's code, depyf's decompiled
 bytecode, report.md/report.html); `--verify` runs every pass's graph before and after it on
-random inputs and reports the largest difference.
+random inputs and reports the largest difference. With `--tensor-parallel-size N` every rank
+compiles its shard (rank r > 0 dumps into DIR/rank<r>).
 """
 
 from __future__ import annotations
@@ -27,31 +28,33 @@ def add_parser(sub) -> None:
 
 
 def load_model(config):
-    """The model and the model part of the cache key, as `LLMEngine` + `ModelRunner` build them."""
-    import torch
+    """The model and the model part of the cache key, as one rank's Worker builds them (for
+    benchmarks that compile a model by hand; tensor_parallel_size 1)."""
+    from compilelm.runtime.worker import Worker
 
-    from compilelm.models.loader import build_model, load_model_config, resolve_model
-
-    source = resolve_model(config.model)
-    model_config = load_model_config(source, dict(config.model_overrides))
-    torch.manual_seed(config.seed)
-    model = build_model(source, model_config, config.torch_dtype(), config.torch_device(), config.quantization)
-    return model, config.cache_key_factors(model_config)
+    worker = Worker(config)
+    return worker.model, config.cache_key_factors(worker.model_config)
 
 
 def run(args: argparse.Namespace) -> int:
-    from compilelm.graphs import CompiledModel
-    from compilelm.graphs.dump import report_data
+    from compilelm.models.loader import load_model_config, resolve_model
+    from compilelm.runtime.executor import Executor
 
     config = engine_config_from_args(args)
     compilation = config.compilation
     if compilation is None or compilation.level == 0:
         raise ArgError("nothing to compile at -O0 / --enforce-eager")
     compilation = dataclasses.replace(compilation, dump_dir=args.dump, verify_passes=args.verify)
-    model, factors = load_model(config)
-    compiled = CompiledModel(model, compilation, factors)
-    compiled.compile()
-    _print_summary(report_data(compiled), args.dump)
+    config = dataclasses.replace(config, compilation=compilation)
+    load_model_config(resolve_model(config.model), dict(config.model_overrides)).verify_tensor_parallel(
+        config.tensor_parallel_size)
+    # The model is loaded exactly as the engine loads it (one Worker per rank), so the cache keys match.
+    executor = Executor(config)
+    try:
+        data = executor.collective_rpc("compile_model")  # rank 0's report; ranks > 0 dump into DIR/rank<r>
+    finally:
+        executor.shutdown()
+    _print_summary(data[0], args.dump)
     return 0
 
 

@@ -24,7 +24,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     g.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="KV-cache budget on CPU")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over N ranks, one process each (gloo on CPU, NCCL on GPU)")
     g.add_argument("--quantization", "-q", default=None, choices=["fp8"],
                    help="fp8: W8A8 linears (fp8 weights, per-token fp8 activations)")
     c = parser.add_argument_group("compilation")
@@ -45,14 +46,13 @@ class ArgError(ValueError):
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from compilelm.llm import make_engine_config
 
-    if args.tensor_parallel_size != 1:
-        raise ArgError(f"--tensor-parallel-size {args.tensor_parallel_size}: only 1 is supported so far")
     model = args.model or getattr(args, "model_tag", None)
     kw = dict(dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
               kv_cache_memory_gb=args.kv_cache_memory_gb,
               gpu_memory_utilization=args.gpu_memory_utilization,
-              enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization)
+              enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
+              tensor_parallel_size=args.tensor_parallel_size)
     if args.max_num_seqs is not None:
         kw["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens is not None:
@@ -69,7 +69,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                "block_size": "--block-size", "num_kv_blocks": "--num-kv-blocks",
                "max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
                "gpu_memory_utilization": "--gpu-memory-utilization",
-               "kv_cache_memory_gb": "--kv-cache-memory-gb", "quantization": "--quantization"}
+               "kv_cache_memory_gb": "--kv-cache-memory-gb", "quantization": "--quantization",
+               "tensor_parallel_size": "--tensor-parallel-size"}
     try:
         return make_engine_config(model, compilation_config=compilation, enforce_eager=args.enforce_eager,
                                   optimization_level=args.optimization_level, **kw)

@@ -24,7 +24,8 @@ CUDAGRAPH_MODES = ("none", "piecewise", "full", "full_and_piecewise")
 _LEVEL_DEFAULTS: dict[int, dict] = {
     0: {"cudagraph_mode": "none"},
     1: {"cudagraph_mode": "piecewise",
-        "passes": {"fuse_rope_attention": False, "fuse_norm_quant": False, "fuse_act_quant": False}},
+        "passes": {"fuse_rope_attention": False, "fuse_norm_quant": False, "fuse_act_quant": False,
+                   "fuse_allreduce_rms": False}},
     2: {},
     3: {"compile_sizes": (1, 2, 4, 8), "max_autotune": True},
 }

@@ -52,6 +52,20 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
 
+    def verify_tensor_parallel(self, tp: int) -> None:
+        """Raises ValueError unless the heads, the MLP and the KV heads split over `tp` ranks."""
+        if tp == 1:
+            return
+        kv = self.num_key_value_heads
+        problems = [f"{n} {what}" for what, n in (("attention heads", self.num_attention_heads),
+                                                   ("intermediate size", self.intermediate_size))
+                    if n % tp]
+        if kv % tp and tp % kv:
+            problems.append(f"{kv} KV heads (need a divisor or a multiple of {tp})")
+        if problems:
+            raise ValueError(f"tensor_parallel_size {tp} (--tensor-parallel-size) does not split the model: "
+                             + ", ".join(problems))
+
     @property
     def family(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]

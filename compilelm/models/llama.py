@@ -1,7 +1,9 @@
 """Llama-family decoder: Llama 2/3, Mistral, Qwen2, SmolLM2 (and the base of Qwen3).
 
 forward(input_ids, positions) takes a flat batch of tokens from many sequences; attention reads
-which tokens belong to which sequence from the forward context.
+which tokens belong to which sequence from the forward context. Under tensor parallelism each
+rank holds its heads and its slice of the MLP (column-parallel qkv/gate_up, row-parallel o/down,
+each followed by one all-reduce) and its slice of the vocabulary.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from torch import nn
 from compilelm.layers.activation import SiluAndMul
 from compilelm.layers.attention import Attention
 from compilelm.layers.layernorm import RMSNorm
-from compilelm.layers.linear import Linear, MergedLinear
+from compilelm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from compilelm.layers.rotary_embedding import RotaryEmbedding
+from compilelm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding, compute_logits
 from compilelm.models.config import ModelConfig
 
 
@@ -21,11 +24,12 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, prefix: str, rotary_emb: RotaryEmbedding):
         super().__init__()
         c = config
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.qkv_proj = QKVParallelLinear(c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads,
+                                          bias=c.attention_bias)
+        # this rank's heads
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, c.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(c.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
-                                     bias=c.attention_bias)
-        self.o_proj = Linear(self.q_size, c.hidden_size)
+        self.o_proj = RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size)
         self.rotary_emb = rotary_emb  # one module shared by all layers
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, f"{prefix}.attn")
 
@@ -44,8 +48,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": inter, "up": inter})
-        self.down_proj = Linear(inter, config.hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, {"gate": inter, "up": inter})
+        self.down_proj = RowParallelLinear(inter, config.hidden_size)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,7 +79,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, layer_cls=LlamaDecoderLayer):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                config.rope_scaling_dict)
         self.layers = nn.ModuleList(layer_cls(config, f"model.layers.{i}", rope)
@@ -106,15 +110,14 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [n, hidden_size] -> logits fp32 [n, vocab_size]
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        # hidden: [n, hidden_size] -> logits fp32 [n, vocab_size] (gathered from every rank)
+        return compute_logits(hidden, self.model.embed_tokens if self.lm_head is None else self.lm_head)
 
     def attention_layer_names(self) -> list[str]:
         return [layer.self_attn.attn.layer_name for layer in self.model.layers]

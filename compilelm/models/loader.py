@@ -116,13 +116,22 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights drawn at each parameter's full (tensor_parallel_size 1) shape, in parameter
+    order, then sliced by the layer's loader: every TP size gets the same model."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            else:  # small values keep activations in range across many layers
-                p.copy_(torch.empty(p.shape).normal_(0.0, 0.02, generator=gen).to(p.dtype))
+                continue
+            owner = model.get_submodule(name.rpartition(".")[0])
+            full_shape = owner.full_shape(p) if hasattr(owner, "full_shape") else p.shape
+            # small values keep activations in range across many layers
+            full = torch.empty(full_shape).normal_(0.0, 0.02, generator=gen).to(p.dtype)
+            if hasattr(owner, "load_full"):
+                owner.load_full(p, full)
+            else:
+                p.copy_(full)
 
 
 def build_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype, device: torch.device,

@@ -16,6 +16,7 @@ class PassConfig:
     fuse_rope_attention: bool = True  # RopeAttentionFusionPass: (QK-norm +) RoPE + attention -> one op
     fuse_norm_quant: bool = True  # RMSNormQuantFusionPass: (add +) rms_norm + fp8 quant -> one op
     fuse_act_quant: bool = True  # SiluMulQuantFusionPass: silu_and_mul + fp8 quant -> one op
+    fuse_allreduce_rms: bool = True  # AllReduceRMSNormFusionPass: TP all-reduce + add + rms_norm -> one op
 
     def __post_init__(self):
         for f in fields(self):

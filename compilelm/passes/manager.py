@@ -39,6 +39,9 @@ class PassManager(CustomGraphPass):
             self.whole_graph.append(NoOpEliminationPass(config))
             self.post_grad.append(NoOpEliminationPass(config))
         # Fusion passes are appended here, in order, each behind its PassConfig switch.
+        if config.fuse_allreduce_rms:
+            from compilelm.passes.fuse_allreduce_rms import AllReduceRMSNormFusionPass
+            self.whole_graph.append(AllReduceRMSNormFusionPass(config))
         if config.fuse_rope_attention:
             from compilelm.passes.fuse_rope_attention import RopeAttentionFusionPass
             self.whole_graph.append(RopeAttentionFusionPass(config))

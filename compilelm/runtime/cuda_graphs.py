@@ -56,7 +56,7 @@ class HostBatch:
     cu_seqlens_q: np.ndarray  # int32 [num_seqs + 1]
     seq_lens: np.ndarray  # int32 [num_seqs]
     block_tables: np.ndarray  # int32 [num_seqs, max_blocks_in_batch]; padding -> null block 0
-    sample_idx: np.ndarray  # int64 [num_sampled]
+    logits_idx: np.ndarray  # int64 [num_logits_rows]: the rows of the output whose logits are needed
     max_query_len: int
 
 
@@ -70,20 +70,20 @@ class InputBuffers:
                                   ("slot_mapping", max_tokens, torch.int64),
                                   ("cu_seqlens_q", max_seqs + 1, torch.int32), ("seq_lens", max_seqs, torch.int32),
                                   ("block_tables", max_seqs * max_blocks, torch.int32),  # flat: any [S, W] view
-                                  ("sample_idx", max_seqs, torch.int64)):
+                                  ("logits_idx", max_tokens, torch.int64)):
             self.host[name] = torch.zeros(size, dtype=dtype, pin_memory=device.type == "cuda")
             self.dev[name] = torch.zeros(size, dtype=dtype, device=device)
 
     def load(self, b: HostBatch, num_tokens: int, num_seqs: int, width: int):
         """Copies `b`, padded to `num_tokens` tokens and `num_seqs` sequences with block tables
-        `width` wide, into the buffers; returns (input_ids, positions, metadata, sample_idx),
+        `width` wide, into the buffers; returns (input_ids, positions, metadata, logits_idx),
         views of the device buffers."""
         s = len(b.seq_lens)
         h = {k: v.numpy() for k, v in self.host.items()}
         fill = {"input_ids": (b.input_ids, 0, num_tokens), "positions": (b.positions, 0, num_tokens),
                 "slot_mapping": (b.slot_mapping, -1, num_tokens),
                 "cu_seqlens_q": (b.cu_seqlens_q, b.cu_seqlens_q[-1], num_seqs + 1),
-                "seq_lens": (b.seq_lens, 0, num_seqs), "sample_idx": (b.sample_idx, 0, len(b.sample_idx))}
+                "seq_lens": (b.seq_lens, 0, num_seqs), "logits_idx": (b.logits_idx, 0, len(b.logits_idx))}
         for name, (values, pad, size) in fill.items():
             h[name][:len(values)] = values
             h[name][len(values):size] = pad
@@ -99,7 +99,7 @@ class InputBuffers:
         meta = AttentionMetadata(slot_mapping=d["slot_mapping"], cu_seqlens_q=d["cu_seqlens_q"],
                                  seq_lens=d["seq_lens"], block_tables=d["block_tables"].view(num_seqs, width),
                                  max_query_len=b.max_query_len, max_seq_len=int(b.seq_lens.max()))
-        return d["input_ids"], d["positions"], meta, d["sample_idx"]
+        return d["input_ids"], d["positions"], meta, d["logits_idx"]
 
 
 class CUDAGraphRunner:
@@ -130,7 +130,7 @@ class CUDAGraphRunner:
             ones = np.ones(size, dtype=np.int64)
             dummy = HostBatch(input_ids=ones * 0, positions=ones * 0, slot_mapping=-ones,
                               cu_seqlens_q=np.arange(size + 1, dtype=np.int32), seq_lens=np.ones(size, np.int32),
-                              block_tables=np.zeros((size, 1), np.int32), sample_idx=np.zeros(0, np.int64),
+                              block_tables=np.zeros((size, 1), np.int32), logits_idx=np.zeros(0, np.int64),
                               max_query_len=1)
             input_ids, positions, meta, _ = buffers.load(dummy, size, size, buffers.max_blocks)
             with set_forward_context(ForwardContext(meta, kv_caches)):

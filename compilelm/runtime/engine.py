@@ -15,12 +15,12 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from compilelm.config import EngineConfig, SchedulerConfig
-from compilelm.models.loader import build_model, load_model_config, resolve_model
+from compilelm.models.loader import load_model_config, resolve_model
 from compilelm.models.tokenizer import load_tokenizer
 from compilelm.outputs import CompletionOutput, Logprob, RequestOutput
 from compilelm.runtime.detokenizer import IncrementalDetokenizer, check_stop_strings, detokenize_logprobs
 from compilelm.runtime.kv_cache_manager import KVCacheManager
-from compilelm.runtime.model_runner import ModelRunner
+from compilelm.runtime.executor import Executor
 from compilelm.runtime.request import Request, RequestStatus
 from compilelm.runtime.scheduler import Scheduler
 from compilelm.sampling_params import SamplingParams
@@ -55,6 +55,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.source = resolve_model(config.model)
         self.model_config = load_model_config(self.source, dict(config.model_overrides))
+        self.model_config.verify_tensor_parallel(config.tensor_parallel_size)  # before starting ranks
         max_len = config.max_model_len or self.model_config.max_position_embeddings
         if max_len > self.model_config.max_position_embeddings:
             raise ValueError(f"max_model_len ({max_len}) exceeds the model's context length "
@@ -62,14 +63,14 @@ class LLMEngine:
         sched = config.scheduler or SchedulerConfig(max_num_batched_tokens=2048, max_model_len=max_len)
         self.config = config = replace(config, max_model_len=max_len,
                                        scheduler=replace(sched, max_model_len=max_len))
-        torch.manual_seed(config.seed)
         self.device, self.dtype = config.torch_device(), config.torch_dtype()
         self.tokenizer = load_tokenizer(self.source)
-        model = build_model(self.source, self.model_config, self.dtype, self.device, config.quantization)
+        self.executor = Executor(config)  # every rank loads its shard of the weights
         logger.info("weights loaded: %s (%s, %s) in %.1f s", self.source.name, self.dtype, self.device,
                     time.perf_counter() - t0)
-        num_blocks = self._num_kv_blocks()
-        self.model_runner = ModelRunner(model, config, self.device, num_blocks)
+        num_blocks = self._check_kv_blocks(self.executor.num_kv_blocks())
+        self.executor.init_model_runner(num_blocks)  # KV cache, compile, CUDA graphs
+        self.model_runner = self.executor.model_runner
         self.kv_cache_manager = KVCacheManager(config.cache.block_size, num_blocks,
                                                config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
@@ -87,8 +88,7 @@ class LLMEngine:
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
 
-    def _num_kv_blocks(self) -> int:
-        blocks = self._kv_blocks_from_budget()
+    def _check_kv_blocks(self, blocks: int) -> int:
         per_request = -(-self.config.max_model_len // self.config.cache.block_size)
         if blocks - 1 < per_request:  # a full-length request could never finish
             raise ValueError(
@@ -97,21 +97,9 @@ class LLMEngine:
                 "memory (kv_cache_memory_gb / gpu_memory_utilization / num_kv_blocks)")
         return blocks
 
-    def _kv_blocks_from_budget(self) -> int:
-        cache = self.config.cache
-        if cache.num_kv_blocks is not None:
-            return cache.num_kv_blocks
-        per_block = ModelRunner.kv_bytes_per_block(self.model_config, cache.block_size, self.dtype)
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            # minus the activations and the decode CUDA graphs' pool, allocated after the cache
-            budget = (total * cache.gpu_memory_utilization - (total - free)
-                      - ModelRunner.cuda_memory_reserve(self.model_config, self.config, self.dtype))
-        else:
-            budget = cache.kv_cache_memory_gb * 2**30
-        # never more than every sequence at full length needs (+1 for the null block)
-        needed = self.config.scheduler.max_num_seqs * -(-self.config.max_model_len // cache.block_size) + 1
-        return max(min(int(budget // per_block), needed), 0)
+    def shutdown(self) -> None:
+        """Stops the other tensor-parallel ranks (also done at interpreter exit)."""
+        self.executor.shutdown()
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -182,7 +170,7 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if not sched_out.scheduled:
             return []
-        step_out = self.model_runner.execute_model(sched_out)
+        step_out = self.executor.execute_model(sched_out)
         sampled_reqs, sampler_out = step_out.sampled, step_out.sampler_output
         tokens = {} if sampler_out is None else {
             r.request_id: t for r, t in zip(sampled_reqs, sampler_out.token_ids)}

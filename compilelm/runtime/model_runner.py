@@ -3,6 +3,11 @@
 Each step turns the scheduler's plan into flat tensors (every scheduled token of every request,
 prefill chunks and decodes mixed), runs ONE forward, and samples one token for each request whose
 step reached the end of its known tokens.
+
+A step has three parts, so that tensor-parallel ranks can share the middle one:
+`prepare_step` (driver: the plan as host arrays, `StepInputs`), `run_step` (every rank: forward
+and the logits of the rows that need them; under TP the forward's all-reduces and the LM head's
+all-gather are collectives), `make_output` (driver: sampling and prompt logprobs).
 """
 
 from __future__ import annotations
@@ -15,12 +20,22 @@ import numpy as np
 import torch
 from torch import nn
 
+from compilelm.distributed.parallel_state import get_tp_size, kv_heads_per_rank
 from compilelm.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from compilelm.runtime.cuda_graphs import CUDAGraphRunner, HostBatch, InputBuffers, capture_sizes
 from compilelm.runtime.sampler import Sampler, SamplerOutput, gather_logprobs
 from compilelm.runtime.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    """What every rank needs to run one step (host arrays only: cheap to send to other ranks)."""
+
+    batch: HostBatch  # batch.logits_idx: sampled rows first, then the prompt-logprob rows
+    graph_size: int | None  # the captured decode graph to replay, else None
+    num_sampled: int
 
 
 @dataclass
@@ -39,7 +54,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.num_blocks = num_blocks
         dtype = next(model.parameters()).dtype
-        shape = (num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
+        shape = (num_blocks, self.block_size, kv_heads_per_rank(mc.num_key_value_heads, get_tp_size()), mc.head_dim)
         # kv_caches: layer name -> (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_caches = {name: (torch.zeros(shape, dtype=dtype, device=device),
                                  torch.zeros(shape, dtype=dtype, device=device))
@@ -82,8 +97,10 @@ class ModelRunner:
         return fn
 
     @staticmethod
-    def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
-        per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * model_config.head_dim
+    def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+        """Bytes of one KV block on one rank."""
+        kv_heads = kv_heads_per_rank(model_config.num_key_value_heads, tp_size)
+        per_token = 2 * model_config.num_hidden_layers * kv_heads * model_config.head_dim
         return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
     @staticmethod
@@ -99,9 +116,10 @@ class ModelRunner:
         logits = 3 * sched.max_num_seqs * mc.vocab_size * 4
         return 2 * per_token * (sched.max_num_batched_tokens + graph_tokens) + logits
 
-    def host_batch(self, sched: SchedulerOutput) -> HostBatch:
-        """The plan as flat host arrays: every scheduled token of every request."""
-        ids, pos, slots, cu, seq_lens, sample_idx, tables = [], [], [], [0], [], [], []
+    def prepare_step(self, sched: SchedulerOutput) -> StepInputs:
+        """The plan as flat host arrays: every scheduled token of every request, and the rows whose
+        logits are needed (the last row of each sampled request, then prompt-logprob rows)."""
+        ids, pos, slots, cu, seq_lens, sample_idx, prompt_rows, tables = [], [], [], [0], [], [], [], []
         bs = self.block_size
         for sr in sched.scheduled:
             start, n = sr.num_computed_tokens, sr.num_new_tokens
@@ -110,6 +128,7 @@ class ModelRunner:
             ids.append(np.asarray(sr.request.all_token_ids[start:start + n], dtype=np.int64))
             pos.append(p)
             slots.append(blocks[p // bs] * bs + p % bs)
+            prompt_rows.append(cu[-1] + np.arange(self._num_prompt_logprob_rows(sr), dtype=np.int64))
             cu.append(cu[-1] + n)
             seq_lens.append(start + n)
             tables.append(sr.block_ids)
@@ -119,14 +138,28 @@ class ModelRunner:
         block_tables = np.zeros((len(tables), max_blocks), dtype=np.int32)  # padding -> null block 0
         for i, t in enumerate(tables):
             block_tables[i, :len(t)] = t
-        return HostBatch(np.concatenate(ids), np.concatenate(pos), np.concatenate(slots),
-                         np.asarray(cu, dtype=np.int32), np.asarray(seq_lens, dtype=np.int32), block_tables,
-                         np.asarray(sample_idx, dtype=np.int64), max(sr.num_new_tokens for sr in sched.scheduled))
+        logits_idx = np.concatenate([np.asarray(sample_idx, dtype=np.int64), *prompt_rows])
+        batch = HostBatch(np.concatenate(ids), np.concatenate(pos), np.concatenate(slots),
+                          np.asarray(cu, dtype=np.int32), np.asarray(seq_lens, dtype=np.int32), block_tables,
+                          logits_idx, max(sr.num_new_tokens for sr in sched.scheduled))
+        num_tokens = len(batch.input_ids)
+        graph_size = None
+        if self.cuda_graphs is not None and num_tokens == len(sched.scheduled):
+            graph_size = self.cuda_graphs.padded_size(num_tokens)
+        return StepInputs(batch, graph_size, len(sample_idx))
 
-    def prepare_inputs(self, sched: SchedulerOutput, padded_size: int | None = None):
-        """(input_ids, positions, metadata, sample_idx) on the device. With `padded_size` (a
+    @staticmethod
+    def _num_prompt_logprob_rows(sr) -> int:
+        """Rows of this step that predict a prompt token whose logprob was asked for (position p
+        predicts prompt token p + 1)."""
+        req, start = sr.request, sr.num_computed_tokens
+        if req.sampling_params.prompt_logprobs is None:
+            return 0
+        return max(0, min(start + sr.num_new_tokens, req.num_prompt_tokens - 1) - start)
+
+    def prepare_inputs(self, b: HostBatch, padded_size: int | None = None):
+        """(input_ids, positions, metadata, logits_idx) on the device. With `padded_size` (a
         captured decode graph's size) the batch is padded to it, block tables at full width."""
-        b = self.host_batch(sched)
         if self.buffers is not None:
             if padded_size is not None:
                 return self.buffers.load(b, padded_size, padded_size, self.buffers.max_blocks)
@@ -142,44 +175,59 @@ class ModelRunner:
             max_seq_len=int(b.seq_lens.max()),
         )
         return (as_t(b.input_ids, torch.int64), as_t(b.positions, torch.int64), meta,
-                as_t(b.sample_idx, torch.int64))
+                as_t(b.logits_idx, torch.int64))
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> StepOutput:
-        """Runs one forward for the whole plan, then samples the requests that need a token.
-        A pure-decode batch replays the decode graph of the next captured size."""
-        num_tokens = sum(sr.num_new_tokens for sr in sched.scheduled)
-        graph_size = None
-        if self.cuda_graphs is not None and num_tokens == len(sched.scheduled):
-            graph_size = self.cuda_graphs.padded_size(num_tokens)
-        input_ids, positions, meta, sample_idx = self.prepare_inputs(sched, graph_size)
-        if graph_size is not None:
-            hidden = self.cuda_graphs.replay(graph_size)[:num_tokens]
+        """One step on this process alone (tensor_parallel_size 1; the executor splits the parts
+        otherwise)."""
+        step = self.prepare_step(sched)
+        return self.make_output(sched, step, self.run_step(step))
+
+    @torch.inference_mode()
+    def run_step(self, step: StepInputs) -> torch.Tensor | None:
+        """Runs one forward for the whole plan; returns fp32 logits [len(logits_idx), vocab], or
+        None if no row needs them. A pure-decode batch replays the decode graph of its padded size."""
+        b = step.batch
+        input_ids, positions, meta, logits_idx = self.prepare_inputs(b, step.graph_size)
+        if step.graph_size is not None:
+            hidden = self.cuda_graphs.replay(step.graph_size)[:len(b.input_ids)]
         else:
             with set_forward_context(ForwardContext(meta, self.kv_caches)):
                 hidden = self.forward_fn(input_ids, positions)
-        out = StepOutput([], None, self._prompt_logprobs(sched, hidden))
+        if len(b.logits_idx) == 0:
+            return None
+        return self.model.compute_logits(hidden[logits_idx])
+
+    @torch.inference_mode()
+    def make_output(self, sched: SchedulerOutput, step: StepInputs, logits: torch.Tensor | None) -> StepOutput:
+        """Samples the requests that need a token; gathers the prompt logprobs asked for."""
+        out = StepOutput([], None, {})
+        if logits is None:
+            return out
+        out.prompt_logprobs = self._prompt_logprobs(sched, logits[step.num_sampled:])
         out.sampled = [sr.request for sr in sched.scheduled if sr.do_sample]
         if out.sampled:
-            logits = self.model.compute_logits(hidden[sample_idx])
+            logits = logits[:step.num_sampled]
             for i, req in enumerate(out.sampled):
                 for fn in req.sampling_params.logits_processors:
                     logits[i] = fn(req.output_token_ids, logits[i])
             out.sampler_output = self.sampler(logits, out.sampled)
         return out
 
-    def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor) -> dict:
-        """request id -> [(prompt position, LogprobsLists)] for the prompt tokens this step predicts."""
+    def _prompt_logprobs(self, sched: SchedulerOutput, logits: torch.Tensor) -> dict:
+        """request id -> [(prompt position, LogprobsLists)]; `logits` holds the prompt-logprob rows
+        of `prepare_step`, request after request."""
         result, offset = {}, 0
         for sr in sched.scheduled:
-            req, start, n = sr.request, sr.num_computed_tokens, sr.num_new_tokens
+            n = self._num_prompt_logprob_rows(sr)
+            if n == 0:
+                continue
+            req, start = sr.request, sr.num_computed_tokens
             k = req.sampling_params.prompt_logprobs
-            # position p predicts prompt token p + 1
-            end = min(start + n, req.num_prompt_tokens - 1)
-            if k is not None and start < end:
-                logits = self.model.compute_logits(hidden[offset:offset + end - start])
-                targets = torch.tensor(req.prompt_token_ids[start + 1:end + 1], device=logits.device)
-                lists = gather_logprobs(torch.log_softmax(logits, dim=-1), targets, [k] * (end - start))
-                result[req.request_id] = list(zip(range(start + 1, end + 1), lists))
+            rows = logits[offset:offset + n]
+            targets = torch.tensor(req.prompt_token_ids[start + 1:start + n + 1], device=rows.device)
+            lists = gather_logprobs(torch.log_softmax(rows, dim=-1), targets, [k] * n)
+            result[req.request_id] = list(zip(range(start + 1, start + n + 1), lists))
             offset += n
         return result

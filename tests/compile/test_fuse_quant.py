@@ -1,6 +1,6 @@
 """RMSNorm+quant and SiLU-mul+quant fusions on a toy FP8 block: op counts before/after, numerics.
 
-The toy block is built from the model's own layers (RMSNorm, MergedLinear, SiluAndMul) quantized
+The toy block is built from the model's own layers (RMSNorm, MergedColumnParallelLinear, SiluAndMul) quantized
 by `quantize_model`, traced to aten with Inductor's decompositions and weights as constants (as
 Dynamo sees a model's parameters), so the graph is the one the passes meet in a real piece.
 """
@@ -12,7 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from compilelm.layers.activation import SiluAndMul
 from compilelm.layers.layernorm import RMSNorm
-from compilelm.layers.linear import Linear, MergedLinear
+from compilelm.layers.linear import Linear, MergedColumnParallelLinear
 from compilelm.layers.quantization import calibrate, quantize_model
 from compilelm.ops import quant as q_ops
 from compilelm.passes import NoOpEliminationPass, max_error, snapshot
@@ -29,7 +29,7 @@ class Block(torch.nn.Module):
         super().__init__()
         self.norm1, self.norm2 = RMSNorm(hidden, eps), RMSNorm(hidden, eps)
         self.o_proj = Linear(hidden, hidden)
-        self.gate_up_proj = MergedLinear(hidden, {"gate": inter, "up": inter})
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, {"gate": inter, "up": inter})
         self.act = SiluAndMul()
         self.down_proj = Linear(inter, hidden)
 

@@ -109,7 +109,8 @@ def test_switch_levels_and_splitting_ops():
     assert "compilelm::unified_attention_rope" in CompileConfig().splitting_ops
     on = [p.name for p in PassManager(PassConfig()).whole_graph]
     off = [p.name for p in PassManager(PassConfig(fuse_rope_attention=False)).whole_graph]
-    assert on == ["NoOpEliminationPass", "RopeAttentionFusionPass"] and off == ["NoOpEliminationPass"]
+    assert on[0] == "NoOpEliminationPass" and "RopeAttentionFusionPass" in on
+    assert "RopeAttentionFusionPass" not in off
 
 
 def _tiny(preset_layers=2):

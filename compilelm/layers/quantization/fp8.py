@@ -3,7 +3,7 @@ quantized per token (dynamic, the default) or with one static per-tensor scale, 
 `torch._scaled_mm` (fp8 x fp8 -> the activation dtype, scales applied in its epilogue).
 
 Quantization is applied after the weights are loaded (`quantize_model`), so every loader (GGUF,
-Hugging Face, dummy) stays unchanged; only the decoder's Linear / MergedLinear layers are
+Hugging Face, dummy) stays unchanged; only the decoder's Linear / MergedColumnParallelLinear layers are
 quantized, the embedding and lm_head stay in the model dtype.
 
 Static activation scales come from the checkpoint (`input_scale` tensors of an FP8 checkpoint,

@@ -1,0 +1,66 @@
+"""The collectives a tensor-parallel model calls, as functional custom ops.
+
+`compilelm::all_reduce` is one opaque op in the traced graph (Dynamo does not look inside), so
+the whole-graph pass `AllReduceRMSNormFusionPass` can find `all_reduce -> add -> rms_norm` and
+replace it with `compilelm::fused_allreduce_add_rms_norm`. On CPU that op is the all-reduce
+followed by the add+norm (same numerics as the unfused graph); on CUDA the place for a one-shot
+all-reduce kernel with the norm in its epilogue.
+
+`all_gather` is called outside the compiled graph (the vocab-parallel LM head), eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from compilelm.distributed.parallel_state import get_tp_size
+
+
+@torch.library.custom_op("compilelm::all_reduce", mutates_args=())
+def all_reduce(x: Tensor) -> Tensor:
+    """Sum of `x` over the tensor-parallel group (a new tensor; `x` is untouched)."""
+    out = x.clone()
+    if get_tp_size() > 1:
+        dist.all_reduce(out)
+    return out
+
+
+@all_reduce.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def fused_add_rms_norm_ref(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    # residual = x + residual; (rms_norm(residual), residual) with layernorm.rms_norm's arithmetic
+    from compilelm.layers.layernorm import rms_norm
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+@torch.library.custom_op("compilelm::fused_allreduce_add_rms_norm", mutates_args=())
+def fused_allreduce_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """residual = all_reduce(x) + residual; returns (rms_norm(residual), residual).
+    x, residual: [num_tokens, hidden]; weight: [hidden]."""
+    return fused_add_rms_norm_ref(all_reduce(x), residual, weight, eps)
+
+
+@fused_allreduce_add_rms_norm.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def tensor_model_parallel_all_reduce(x: Tensor) -> Tensor:
+    return torch.ops.compilelm.all_reduce(x) if get_tp_size() > 1 else x
+
+
+def tensor_model_parallel_all_gather(x: Tensor, dim: int = -1) -> Tensor:
+    """Concatenates every rank's `x` along `dim` (rank order)."""
+    world = get_tp_size()
+    if world == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x)
+    return torch.cat(parts, dim=dim)

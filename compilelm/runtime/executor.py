@@ -1,0 +1,144 @@
+"""Executor: runs the model on `tensor_parallel_size` ranks, one process per rank.
+
+This process is rank 0, the driver: it owns the scheduler (in the engine) and samples. For
+tp > 1 the executor spawns ranks 1..tp-1 (`worker_main`), each building its shard of the model.
+Every step the driver sends the step's host arrays (`StepInputs`) down a pipe to each rank and
+then runs the same forward itself; the collectives inside the forward (all-reduce after each
+row-parallel linear, all-gather of the vocab-parallel logits) keep the ranks in lock step. Only
+the driver gets logits back. A rank that fails sends its traceback, which the driver raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import socket
+import weakref
+
+from compilelm.config import EngineConfig
+from compilelm.distributed.parallel_state import destroy_distributed
+from compilelm.runtime.model_runner import StepOutput
+from compilelm.runtime.scheduler import SchedulerOutput
+from compilelm.runtime.worker import Worker, worker_main
+
+logger = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Executor:
+    def __init__(self, config: EngineConfig):
+        tp = config.tensor_parallel_size
+        self.procs, self.conns = [], []
+        init_method = f"tcp://127.0.0.1:{_free_port()}" if tp > 1 else None
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked CUDA or threads
+        for rank in range(1, tp):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, args=(config, rank, init_method, child),
+                               name=f"compilelm-tp-rank{rank}")
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        # Stops the ranks when this executor is collected or at exit (holds no reference to self:
+        # an engine dropped by its user frees its model and KV cache).
+        self._finalizer = weakref.finalize(self, _stop_ranks, self.procs, self.conns)
+        try:
+            self._wait_started()
+            self.driver = Worker(config, 0, init_method)  # joins the group once every rank is up
+            self._replies()  # every rank built its model
+        except BaseException:
+            self.shutdown()
+            raise
+        if tp > 1:
+            logger.info("tensor parallel: %d ranks (%s)", tp, self.driver.device.type)
+
+    # -- calls on every rank ---------------------------------------------------------------------
+
+    def collective_rpc(self, method: str, *args) -> list:
+        """Runs `Worker.<method>(*args)` on every rank; returns the results in rank order."""
+        for conn in self.conns:
+            conn.send((method, args, True))
+        result = getattr(self.driver, method)(*args)
+        return [result, *self._replies()]
+
+    def _replies(self) -> list:
+        results = []
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                status, value = conn.recv()
+            except EOFError:
+                raise RuntimeError(f"tensor-parallel rank {rank} exited "
+                                   f"(exit code {self.procs[rank - 1].exitcode})") from None
+            if status == "error":
+                raise RuntimeError(f"tensor-parallel rank {rank} failed:\n{value}")
+            results.append(value)
+        return results
+
+    def _wait_started(self) -> None:
+        """Every rank's process is running (else the rendezvous would wait for it until its timeout)."""
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            while not conn.poll(0.1):
+                if not proc.is_alive():
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} exited while starting (exit code {proc.exitcode}); "
+                        "a script that starts tensor-parallel engines must guard its entry point with "
+                        "`if __name__ == '__main__':` (ranks are spawned)")
+        self._replies()
+
+    def _check_failures(self) -> None:
+        for rank, conn in enumerate(self.conns, start=1):
+            if conn.poll():
+                self._replies()  # raises with the rank's traceback
+
+    # -- the engine's interface --------------------------------------------------------------------
+
+    def num_kv_blocks(self) -> int:
+        return min(self.collective_rpc("num_kv_blocks"))
+
+    def init_model_runner(self, num_blocks: int) -> None:
+        self.collective_rpc("init_model_runner", num_blocks)
+
+    @property
+    def model_runner(self):
+        return self.driver.model_runner
+
+    def execute_model(self, sched: SchedulerOutput) -> StepOutput:
+        runner = self.driver.model_runner
+        if not self.conns:
+            return runner.execute_model(sched)
+        step = runner.prepare_step(sched)
+        for conn in self.conns:
+            conn.send(("run_step", (step,), False))
+        try:
+            logits = runner.run_step(step)
+        finally:
+            self._check_failures()
+        return runner.make_output(sched, step, logits)
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+def _stop_ranks(procs: list, conns: list) -> None:
+    if not procs:  # one rank: no processes, no process group
+        return
+    for conn in conns:
+        try:
+            conn.send(("shutdown", (), False))
+        except OSError:
+            pass
+    for proc in procs:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=5)
+    for conn in conns:
+        conn.close()
+    procs.clear()
+    conns.clear()
+    destroy_distributed()

@@ -1,0 +1,102 @@
+"""Worker: one tensor-parallel rank — its device, its shard of the model, its KV cache and its
+ModelRunner (vLLM's Worker). Rank 0 lives in the engine's process; the executor starts the
+others in processes of their own, each running `worker_main`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import traceback
+
+import torch
+
+from compilelm.config import EngineConfig
+from compilelm.distributed.parallel_state import destroy_distributed, init_distributed
+from compilelm.models.loader import build_model, load_model_config, resolve_model
+from compilelm.runtime.model_runner import ModelRunner, StepInputs
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0, init_method: str | None = None):
+        tp = config.tensor_parallel_size
+        self.rank = rank
+        self.device = config.torch_device()
+        if tp > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", rank)
+        if tp > 1 and self.device.type == "cpu":  # ranks share the cores
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // tp))
+        compilation = config.compilation
+        if rank > 0 and compilation is not None and getattr(compilation, "dump_dir", None):
+            compilation = dataclasses.replace(compilation, dump_dir=os.path.join(compilation.dump_dir, f"rank{rank}"))
+        self.config = dataclasses.replace(config, compilation=compilation)
+        init_distributed(rank, tp, init_method, self.device)
+        self.source = resolve_model(config.model)
+        self.model_config = load_model_config(self.source, dict(config.model_overrides))
+        self.dtype = config.torch_dtype()
+        torch.manual_seed(config.seed)
+        self.model = build_model(self.source, self.model_config, self.dtype, self.device, config.quantization)
+        self.model_runner: ModelRunner | None = None
+
+    def num_kv_blocks(self) -> int:
+        """How many KV blocks this rank's memory budget holds (never more than every sequence at
+        full length needs, +1 for the null block)."""
+        config, cache = self.config, self.config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        per_block = ModelRunner.kv_bytes_per_block(self.model_config, cache.block_size, self.dtype,
+                                                   config.tensor_parallel_size)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # minus the activations and the decode CUDA graphs' pool, allocated after the cache
+            budget = (total * cache.gpu_memory_utilization - (total - free)
+                      - ModelRunner.cuda_memory_reserve(self.model_config, config, self.dtype))
+        else:
+            budget = cache.kv_cache_memory_gb * 2**30
+        needed = config.scheduler.max_num_seqs * -(-config.max_model_len // cache.block_size) + 1
+        return max(min(int(budget // per_block), needed), 0)
+
+    def init_model_runner(self, num_blocks: int) -> None:
+        """Allocates the KV cache, compiles the model and captures its CUDA graphs."""
+        self.model_runner = ModelRunner(self.model, self.config, self.device, num_blocks)
+
+    def run_step(self, step: StepInputs) -> None:
+        self.model_runner.run_step(step)  # the logits live on the driver: nothing to return
+
+    def compile_model(self) -> dict:
+        """`compilelm compile`: compile this rank's model without serving; the dump report's data."""
+        from compilelm.graphs import CompiledModel
+        from compilelm.graphs.dump import report_data
+        compiled = CompiledModel(self.model, self.config.compilation,
+                                 self.config.cache_key_factors(self.model_config))
+        compiled.compile()
+        return report_data(compiled)
+
+
+def worker_main(config: EngineConfig, rank: int, init_method: str, conn) -> None:
+    """A rank > 0 process: build the Worker, then run what the driver sends until it goes away.
+    Messages: (method, args, want_reply); replies: ("ok", result) or ("error", traceback)."""
+    os.environ.setdefault("TQDM_DISABLE", "1")  # rank 0 shows the progress bars
+    try:
+        conn.send(("ok", None))  # started: the driver may now wait in the rendezvous
+        worker = Worker(config, rank, init_method)
+        conn.send(("ok", None))
+        while True:
+            method, args, want_reply = conn.recv()
+            if method == "shutdown":
+                break
+            result = getattr(worker, method)(*args)
+            if want_reply:
+                conn.send(("ok", result))
+    except (EOFError, KeyboardInterrupt):  # the driver is gone
+        pass
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+    finally:
+        destroy_distributed()

@@ -1,0 +1,210 @@
+"""Tensor parallelism on CPU (gloo, one process per rank): the parallel layers against plain torch
+on the same full weights, the all-reduce + add + RMSNorm fusion against eager, and whole engines
+at tensor_parallel_size 2 against tensor_parallel_size 1 (greedy tokens and logprobs)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from compilelm.distributed import communication_op as comm
+from compilelm.distributed.parallel_state import destroy_distributed, get_tp_rank, init_distributed
+from compilelm.layers.layernorm import RMSNorm, rms_norm
+from compilelm.passes.fuse_allreduce_rms import AllReduceRMSNormFusionPass
+from compilelm.passes.testing import check_pass
+from compilelm.sampling_params import SamplingParams
+
+ops = torch.ops.compilelm
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _layers_rank(rank: int, world: int, port: int, failures) -> None:
+    """Each parallel layer, built on this rank and loaded from the full weights, reproduces the
+    replicated computation."""
+    try:
+        init_distributed(rank, world, f"tcp://127.0.0.1:{port}", torch.device("cpu"))
+        from compilelm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+        from compilelm.layers.vocab_parallel_embedding import (
+            ParallelLMHead, VocabParallelEmbedding, compute_logits,
+        )
+        g = torch.Generator().manual_seed(0)  # the same full weights and inputs on every rank
+        x = torch.randn(5, 32, generator=g)
+        w_col, w_row, b_row = torch.randn(48, 32, generator=g), torch.randn(32, 48, generator=g), torch.randn(32, generator=g)
+        emb = torch.randn(37, 32, generator=g)  # 37 rows: not divisible by 2 -> a padded last shard
+        ids = torch.tensor([0, 18, 19, 36, 5])
+        wq, wk, wv = (torch.randn(n * 8, 32, generator=g) for n in (4, 1, 1))  # 4 heads, 1 KV head
+
+        col = ColumnParallelLinear(32, 48)
+        col.weight_loader(col.weight, w_col)
+        row = RowParallelLinear(48, 32, bias=True)
+        row.weight_loader(row.weight, w_row)
+        row.weight_loader(row.bias, b_row)
+        y = col(x)  # [5, 48 / world]: this rank's columns
+        torch.testing.assert_close(comm.tensor_model_parallel_all_gather(y), x @ w_col.T)
+        torch.testing.assert_close(row(y), F.linear(x @ w_col.T, w_row, b_row), atol=1e-4, rtol=1e-4)
+
+        qkv = QKVParallelLinear(32, 8, 4, 1)  # the KV head is replicated on both ranks
+        for name, w in (("q", wq), ("k", wk), ("v", wv)):
+            qkv.weight_loader(qkv.weight, w, name)
+        q, k, v = qkv(x).split([qkv.num_heads * 8, 8, 8], dim=-1)
+        torch.testing.assert_close(q, (x @ wq.T)[:, rank * 16:(rank + 1) * 16])
+        torch.testing.assert_close(k, x @ wk.T)
+        torch.testing.assert_close(v, x @ wv.T)
+
+        e = VocabParallelEmbedding(37, 32)
+        e.weight_loader(e.weight, emb)
+        torch.testing.assert_close(e(ids), emb[ids])
+        head = ParallelLMHead(37, 32)
+        head.load_full(head.weight, emb)
+        torch.testing.assert_close(compute_logits(x, head), x @ emb.T, atol=1e-5, rtol=1e-5)
+
+        # the fused op == all_reduce then add + norm
+        w = torch.randn(32, generator=g)
+        part = torch.randn(5, 32, generator=torch.Generator().manual_seed(10 + rank))  # differs per rank
+        normed, res = ops.fused_allreduce_add_rms_norm(part, x, w, 1e-6)
+        total = comm.all_reduce(part)
+        torch.testing.assert_close(res, total + x)
+        torch.testing.assert_close(normed, rms_norm(total + x, w, 1e-6))
+        assert get_tp_rank() == rank
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        failures.put(f"rank {rank}: {exc!r}")
+        raise
+    finally:
+        destroy_distributed()
+
+
+def test_parallel_layers_match_replicated():
+    ctx = mp.get_context("spawn")
+    failures = ctx.Queue()
+    port = _port()
+    procs = [ctx.Process(target=_layers_rank, args=(r, 2, port, failures)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    errors = [failures.get() for _ in range(failures.qsize())] if not failures.empty() else []
+    assert not errors and all(p.exitcode == 0 for p in procs), errors or [p.exitcode for p in procs]
+
+
+# -- the fusion pass on a toy graph (one rank: the all-reduce is the identity) ----------------
+
+class ToyTPBlock(torch.nn.Module):
+    """row-parallel output -> all_reduce -> add + norm, twice (as o_proj then down_proj feed the
+    next norms), then a final norm whose residual output is unused."""
+
+    def __init__(self, hidden=64, dtype=torch.float32):
+        super().__init__()
+        self.n1, self.n2 = RMSNorm(hidden, 1e-6).to(dtype), RMSNorm(hidden, 1e-6).to(dtype)
+        self.lin = torch.nn.Linear(hidden, hidden, bias=False, dtype=dtype)
+        for n in (self.n1, self.n2):
+            n.weight.data.uniform_(0.5, 1.5)
+
+    def forward(self, x, residual):
+        h, residual = self.n1(ops.all_reduce(self.lin(x)), residual)
+        h, residual = self.n2(ops.all_reduce(self.lin(h)), residual)
+        return h
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_allreduce_rms_fusion_toy(dtype):
+    block = ToyTPBlock(dtype=dtype)
+    x, residual = torch.randn(6, 64, dtype=dtype), torch.randn(6, 64, dtype=dtype)
+    check_pass(block, [x, residual], [AllReduceRMSNormFusionPass()],
+               matches={"AllReduceRMSNormFusionPass": 2},
+               ops_before={"compilelm.all_reduce.default": 2, "aten.rsqrt.default": 2},
+               ops_after={"compilelm.all_reduce.default": 0, "aten.rsqrt.default": 0,
+                          "compilelm.fused_allreduce_add_rms_norm.default": 2},
+               atol=0.0)
+
+
+def test_allreduce_rms_fusion_skips_single_rank_graphs():
+    """A model at tensor_parallel_size 1 has no all-reduce: the pass leaves no record."""
+    block = RMSNorm(64)
+    p = AllReduceRMSNormFusionPass()
+    check_pass(lambda x, r: block(x, r), [torch.randn(4, 64), torch.randn(4, 64)], [p],
+               ops_after={"compilelm.fused_allreduce_add_rms_norm.default": 0})
+    assert p.matches == 0
+
+
+# -- whole engines: tensor_parallel_size 2 == 1 ---------------------------------------------
+
+PROMPTS = [[11, 2, 30, 4, 500, 6, 7], [9, 99, 999], list(range(40, 80))]
+
+
+def _generate(tp: int, preset: str, overrides: dict, **kw):
+    from compilelm.llm import LLM
+    llm = LLM(f"dummy:{preset}", model_overrides=overrides, max_model_len=128, num_kv_blocks=64,
+              tensor_parallel_size=tp, **kw)
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0, logprobs=1, prompt_logprobs=1, ignore_eos=True)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        return ([o.outputs[0].token_ids for o in outs],
+                [[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in outs],
+                [[next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]] for o in outs])
+    finally:
+        llm.engine.shutdown()
+
+
+def _assert_same(a, b):
+    assert a[0] == b[0], f"greedy tokens differ:\n{a[0]}\n{b[0]}"
+    for x, y in zip(a[1] + a[2], b[1] + b[2]):
+        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=2e-4, rtol=0)
+
+
+QWEN3 = ("qwen3-0.6b", {"num_hidden_layers": 2, "vocab_size": 4096})
+# one KV head on two ranks: replicated
+LLAMA_MQA = ("llama-3.2-1b", {"num_hidden_layers": 2, "vocab_size": 3001, "num_key_value_heads": 1,
+                              "hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 8,
+                              "head_dim": 64})
+
+
+@pytest.mark.parametrize("model", [QWEN3, LLAMA_MQA], ids=["qwen3", "llama-mqa"])
+def test_tp2_equals_tp1_eager(model):
+    _assert_same(_generate(2, *model, enforce_eager=True), _generate(1, *model, enforce_eager=True))
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+def test_tp2_equals_tp1_compiled(fuse, tmp_path):
+    cc = {"passes": {"fuse_allreduce_rms": fuse}, "cache_dir": str(tmp_path / "cache")}
+    _assert_same(_generate(2, *QWEN3, compilation_config=cc), _generate(1, *QWEN3, enforce_eager=True))
+
+
+def test_tp2_compile_reports_one_fusion_per_norm(tmp_path):
+    """`compilelm compile -tp 2`'s path: every rank compiles; the all-reduce fusion matches every
+    norm that follows an all-reduce: 2 per layer (the first layer's input norm follows the
+    embedding's all-reduce without an add) -> 2 * layers - 1 + the final norm = 2 * layers."""
+    import dataclasses
+
+    from compilelm.llm import make_engine_config
+    from compilelm.runtime.executor import Executor
+    config = make_engine_config("dummy:qwen3-0.6b", model_overrides={**QWEN3[1], "num_hidden_layers": 3},
+                                tensor_parallel_size=2, max_model_len=128,
+                                compilation_config={"cache_dir": str(tmp_path / "cache")})
+    config = dataclasses.replace(config, compilation=dataclasses.replace(config.compilation,
+                                                                         dump_dir=str(tmp_path / "dump")))
+    executor = Executor(config)
+    try:
+        reports = executor.collective_rpc("compile_model")
+    finally:
+        executor.shutdown()
+    for report in reports:
+        matches = {p["pass"]: p["matches"] for p in report["passes"]}
+        assert matches["AllReduceRMSNormFusionPass"] == 6, matches
+        assert matches["RopeAttentionFusionPass"] == 3, matches
+    assert (tmp_path / "dump" / "report.md").exists() and (tmp_path / "dump" / "rank1" / "report.md").exists()
+
+
+def test_tp_size_that_does_not_split_the_model_names_the_flag(capsys):
+    from compilelm.entrypoints.cli import main
+    rc = main(["generate", "hi", "--model", "dummy:smollm2-135m", "--tensor-parallel-size", "2", "--enforce-eager"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--tensor-parallel-size" in err and "9 attention heads" in err, err
