@@ -47,4 +47,14 @@ TORCH_LIBRARY(compilelm, m) {
   m.def("silu_mul_quant_fp8(Tensor x, Tensor? scale) -> (Tensor, Tensor)");
   // residual_out = x + residual; (rms_norm(residual_out), residual_out)
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+
+  // One-shot all-reduce over peer memory, CUDA only (csrc/cuda/allreduce_kernels.cu); called by
+  // compilelm/distributed/custom_all_reduce.py, which owns the buffers: buffer_ptrs = every rank's
+  // symmetric buffer (flags, then buffer_bytes for the rows), rank = this rank's index in it.
+  // x: [num_tokens, hidden] contiguous. Not functional: it writes the buffers (no tensor args).
+  m.def("custom_all_reduce(Tensor x, int[] buffer_ptrs, int rank, int buffer_bytes) -> Tensor");
+  // residual_out = all_reduce(x) + residual; (rms_norm(residual_out), residual_out)
+  m.def(
+      "custom_all_reduce_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, int[] buffer_ptrs, "
+      "int rank, int buffer_bytes) -> (Tensor, Tensor)");
 }

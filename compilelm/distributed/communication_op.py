@@ -3,8 +3,9 @@
 `compilelm::all_reduce` is one opaque op in the traced graph (Dynamo does not look inside), so
 the whole-graph pass `AllReduceRMSNormFusionPass` can find `all_reduce -> add -> rms_norm` and
 replace it with `compilelm::fused_allreduce_add_rms_norm`. On CPU that op is the all-reduce
-followed by the add+norm (same numerics as the unfused graph); on CUDA the place for a one-shot
-all-reduce kernel with the norm in its epilogue.
+followed by the add+norm (same numerics as the unfused graph). On CUDA both ops run the one-shot
+all-reduce over peer memory (`custom_all_reduce.py`; the fused op with the add and the norm in
+its epilogue) when the tensor fits its buffer, else NCCL (+ the fused add+RMSNorm kernel).
 
 `all_gather` is called outside the compiled graph (the vocab-parallel LM head), eagerly.
 """
@@ -15,12 +16,24 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from compilelm.distributed.custom_all_reduce import get_custom_all_reduce
 from compilelm.distributed.parallel_state import get_tp_size
 
 
 @torch.library.custom_op("compilelm::all_reduce", mutates_args=())
 def all_reduce(x: Tensor) -> Tensor:
     """Sum of `x` over the tensor-parallel group (a new tensor; `x` is untouched)."""
+    out = x.clone()
+    if get_tp_size() > 1:
+        dist.all_reduce(out)
+    return out
+
+
+@all_reduce.register_kernel("cuda")
+def _(x):
+    car = get_custom_all_reduce(x)
+    if car is not None and car.fits(x):
+        return car.all_reduce(x)
     out = x.clone()
     if get_tp_size() > 1:
         dist.all_reduce(out)
@@ -44,6 +57,17 @@ def fused_allreduce_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, ep
     """residual = all_reduce(x) + residual; returns (rms_norm(residual), residual).
     x, residual: [num_tokens, hidden]; weight: [hidden]."""
     return fused_add_rms_norm_ref(all_reduce(x), residual, weight, eps)
+
+
+@fused_allreduce_add_rms_norm.register_kernel("cuda")
+def _(x, residual, weight, eps):
+    car = get_custom_all_reduce(x)
+    if car is not None and car.fits(x, residual, weight):
+        return car.all_reduce_add_rms_norm(x, residual, weight, eps)
+    total = all_reduce(x)
+    if weight.dtype == x.dtype and hasattr(torch.ops.compilelm, "fused_add_rms_norm"):
+        return tuple(torch.ops.compilelm.fused_add_rms_norm(total, residual, weight, eps))
+    return fused_add_rms_norm_ref(total, residual, weight, eps)
 
 
 @fused_allreduce_add_rms_norm.register_fake

@@ -1,0 +1,101 @@
+"""The one-shot all-reduce's peer buffers (CUDA, 2..8 ranks of one host).
+
+NCCL's all-reduce costs tens of microseconds even for the few KB of a decode step. The one-shot
+kernel (csrc/cuda/allreduce_kernels.cu) is one launch: every rank stages its rows in a buffer
+that all ranks can read (NVLink peer memory), meets its peers at a barrier of flags in those
+buffers, and sums every rank's rows itself, with the residual add and the RMSNorm in the same
+pass. It reads `world_size` times the data, so it is for small tensors; larger ones, and
+anything it does not take, go to NCCL.
+
+Each rank allocates one buffer of `FLAG_BYTES + max_bytes` through torch symmetric memory
+(`rendezvous` maps every peer's buffer into this process; no NVLink multicast), once, lazily on
+the first call outside CUDA-graph capture: a collective, so every rank makes it at the same op.
+Calls inside a capture before that fall back to NCCL. Graph replays reuse the same buffers and
+the flags reset themselves, so the kernel is capturable.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+MAX_RANKS = 8
+FLAG_BYTES = 2 * 128 * MAX_RANKS * 4  # kFlagBytes of allreduce_kernels.cu: uint32 [2][kMaxBlocks][kMaxRanks]
+DEFAULT_MAX_BYTES = 8 * 2**20  # the largest x it takes: 512 tokens x 4096 hidden x fp32
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class CustomAllReduce:
+    """This rank's symmetric buffer and every peer's address of it."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES):
+        import torch.distributed._symmetric_memory as symm_mem
+        self.group, self.max_bytes = group, max_bytes
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.buffer = symm_mem.empty(FLAG_BYTES + max_bytes, dtype=torch.uint8, device=device)
+        self.buffer[:FLAG_BYTES].zero_()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            self.handle = symm_mem.rendezvous(self.buffer, group)
+        self.buffer_ptrs = [int(p) for p in self.handle.buffer_ptrs]  # every rank's buffer, rank order
+        torch.cuda.synchronize(device)
+        dist.barrier(group)  # every rank's flags are zero before any rank signals
+
+    def fits(self, *tensors: Tensor) -> bool:
+        """The kernel takes x (tensors[0]) and the residual/weight that go with it."""
+        x = tensors[0]
+        return (x.dim() == 2 and x.dtype in DTYPES and x.numel() * x.element_size() <= self.max_bytes
+                and x.size(1) * x.element_size() % 16 == 0
+                and all(t.is_cuda and t.dtype == x.dtype and t.is_contiguous() and t.data_ptr() % 16 == 0
+                        for t in tensors))
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        return torch.ops.compilelm.custom_all_reduce(x, self.buffer_ptrs, self.rank, self.max_bytes)
+
+    def all_reduce_add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        return torch.ops.compilelm.custom_all_reduce_add_rms_norm(x, residual, weight, eps, self.buffer_ptrs,
+                                                                  self.rank, self.max_bytes)
+
+
+_instance: CustomAllReduce | None = None
+_unavailable: set[int] = set()  # ids of the groups where it could not be made
+
+
+def init_custom_all_reduce(device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES) -> CustomAllReduce | None:
+    """Makes (or remakes, for another size) this rank's buffer over the whole world; collective.
+    None where peer memory is unavailable on some rank (every rank then agrees on NCCL)."""
+    global _instance
+    group = dist.group.WORLD
+    if not 2 <= dist.get_world_size(group) <= MAX_RANKS:
+        _unavailable.add(id(group))
+        return None
+    try:
+        car, ok = CustomAllReduce(group, device, max_bytes), 1
+    except Exception as exc:  # noqa: BLE001 - no symmetric memory here: NCCL serves
+        logger.warning("one-shot all-reduce unavailable (%s): NCCL all-reduce for every size", exc)
+        car, ok = None, 0
+    agreed = torch.tensor([ok], device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    if not agreed.item():
+        _unavailable.add(id(group))
+        car = None
+    _instance = car
+    return car
+
+
+def get_custom_all_reduce(x: Tensor) -> CustomAllReduce | None:
+    """The buffers for x's device, made on first use; None for one rank, CPU tensors, where peer
+    memory is unavailable, or inside a CUDA-graph capture before they exist."""
+    if not x.is_cuda or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    if _instance is not None and _instance.group is dist.group.WORLD:
+        return _instance
+    if id(dist.group.WORLD) in _unavailable or torch.cuda.is_current_stream_capturing():
+        return None
+    return init_custom_all_reduce(x.device)
