@@ -56,11 +56,12 @@ def test_custom_passes_coexist_with_builtins_in_order():
         f"{EXAMPLE},after=NoOpEliminationPass",
     )
     m = PassManager(PassConfig(), specs)
-    assert [p.name for p in m.whole_graph] == ["NoOpEliminationPass", "MeanSquareFusionPass", "RopeAttentionFusionPass"]
+    assert [p.name for p in m.whole_graph] == ["NoOpEliminationPass", "AllReduceRMSNormFusionPass", "MeanSquareFusionPass",
+                                             "RopeAttentionFusionPass"]
     post = [p.name for p in m.post_grad]
     assert post[:2] == ["NoOpEliminationPass", "MeanSquareFusionPass"] and post[-1] == "DoubleReluPass"
     assert [p.name for p in m.tail] == ["CleanupPass", "InplaceLoweringPass", "CleanupPass"]  # always last
-    assert m.whole_graph[1].stage == "whole_graph" and m.post_grad[1].stage == "post_grad"
+    assert m.whole_graph[2].stage == "whole_graph" and m.post_grad[1].stage == "post_grad"
     with pytest.raises(ValueError, match="no pass 'Nope' in the post_grad stage"):
         PassManager(PassConfig(), (f"{EXAMPLE},before=Nope",))
 
