@@ -1,4 +1,5 @@
-"""CUDA graphs for decode steps, and the static input buffers that graphs read.
+"""CUDA graphs: the static input buffers that graphs read, full-model decode graphs, and the
+dispatcher that picks a graph for each step.
 
 A decode step of a small model is a few hundred short kernels; launching them one by one from
 Python leaves the GPU idle between them. A CUDA graph records the launches once per batch size
@@ -7,16 +8,21 @@ and replays them with one call. Replays read and write fixed addresses, so every
 device buffer owned by the runner, and a step copies its values into the front of each buffer
 from a pinned host twin (non-blocking: preparing a step never waits for the GPU).
 
-Pure-decode batches (one query token per sequence) replay a FULL-model graph captured at the
-next capture size; the rows past the real batch are padding that the kernels skip (slot -1: no
-KV write; q_len 0 and seq_len 0: output row zeroed; block table row 0: the null block). Mixed
-and prefill batches run without graphs. Graphs are captured largest first into one memory pool,
-so the smaller ones reuse the largest one's activation memory.
+Two kinds of graphs, picked per step by `CudaGraphDispatcher` (full -> piecewise -> eager):
+- FULL: pure-decode batches (one query token per sequence) replay a whole-model graph captured
+  at the next capture size; the rows past the real batch are padding that the kernels skip
+  (slot -1: no KV write; q_len 0 and seq_len 0: output row zeroed; block table row 0: the null
+  block).
+- PIECEWISE (compiled models, piecewise_graphs.py): any batch of up to the largest capture size
+  (prefill chunks and decodes mixed) is padded to the next size; each compiled piece replays its
+  graph of that size and the attention ops run eagerly between them.
+Both are captured largest first into ONE memory pool (piecewise first), so the smaller ones
+reuse the largest one's activation memory.
 
 Memory: graphs hold the KV cache's addresses, so they are captured after the cache exists. The
 engine sizes the cache leaving `ModelRunner.cuda_memory_reserve` free (an estimate of eager
-activations + the graph pool + logits); the pool's measured size is logged after capture
-(on an H100: 254 MiB for a 135M model, 72 MiB for an 8B one, sizes 1..64).
+activations + the graph pool + logits); the measured sizes are logged after capture
+(on an H100: 254 MiB for a 135M model, 72 MiB for an 8B one, full graphs of sizes 1..64).
 """
 
 from __future__ import annotations
@@ -40,10 +46,43 @@ def default_capture_sizes() -> list[int]:
     return [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, 513, 16))
 
 
-def capture_sizes(compilation, max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
-    """The configured sizes (or the default list) that a decode batch can reach."""
+def graph_sizes(compilation, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[list[int], list[int]]:
+    """(full, piecewise) capture sizes for `compilation` (a CompileConfig, or None: no graphs).
+    Full graphs serve pure-decode batches (at most max_num_seqs tokens); piecewise graphs serve
+    any batch of the step budget, and need compiled pieces (level >= 1)."""
+    if compilation is None:
+        return [], []
     sizes = list(compilation.cudagraph_capture_sizes) or default_capture_sizes()
-    return sorted(s for s in sizes if s <= min(max_num_seqs, max_num_batched_tokens))
+    mode = compilation.cudagraph_mode
+    full = [s for s in sizes if s <= min(max_num_seqs, max_num_batched_tokens)]
+    piecewise = [s for s in sizes if s <= max_num_batched_tokens]
+    return (sorted(full) if mode in ("full", "full_and_piecewise") else [],
+            sorted(piecewise) if mode in ("piecewise", "full_and_piecewise") and compilation.level >= 1 else [])
+
+
+def _next_size(sizes: tuple[int, ...], n: int) -> int | None:
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+@dataclass(frozen=True)
+class CudaGraphDispatcher:
+    """Which graph runs a step (host-only: decided on the driver, sent to every TP rank)."""
+
+    full_sizes: tuple[int, ...] = ()
+    piecewise_sizes: tuple[int, ...] = ()
+
+    def dispatch(self, num_tokens: int, num_seqs: int) -> tuple[str, int | None]:
+        """("full", padded size) for a pure-decode batch that fits a full graph, else
+        ("piecewise", padded size) for a batch that fits a piecewise graph, else ("none", None)."""
+        if num_tokens == num_seqs:
+            size = _next_size(self.full_sizes, num_tokens)
+            if size is not None:
+                return "full", size
+        size = _next_size(self.piecewise_sizes, num_tokens)
+        if size is not None:
+            return "piecewise", size
+        return "none", None
 
 
 @dataclass
@@ -105,16 +144,17 @@ class InputBuffers:
 class CUDAGraphRunner:
     """Full-model graphs for pure-decode batches, one per capture size, in one memory pool."""
 
-    def __init__(self, sizes: list[int]):
+    def __init__(self, sizes: list[int], pool=None, stream: torch.cuda.Stream | None = None):
         self.sizes = sorted(sizes)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None
+        # shared with the piecewise graphs (captured first); the pool reuses freed memory only
+        # for captures on the stream that freed it
+        self.pool, self.stream = pool, stream
         self.memory_bytes = 0
 
     def padded_size(self, num_tokens: int) -> int | None:
         """The smallest captured size that holds `num_tokens`, else None (run eagerly)."""
-        i = bisect.bisect_left(self.sizes, num_tokens)
-        return self.sizes[i] if i < len(self.sizes) else None
+        return _next_size(tuple(self.sizes), num_tokens)
 
     @torch.inference_mode()
     def capture(self, forward_fn, buffers: InputBuffers, kv_caches: dict) -> None:
@@ -123,8 +163,9 @@ class CUDAGraphRunner:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # capture empties the allocator's cache: do it first, measure the pool alone
         free_before, t0 = torch.cuda.mem_get_info()[0], time.perf_counter()
-        self.pool = torch.cuda.graph_pool_handle()
-        bar = tqdm(sorted(self.sizes, reverse=True), desc="compilelm: capturing CUDA graphs", unit="graph",
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        bar = tqdm(sorted(self.sizes, reverse=True), desc="compilelm: capturing full CUDA graphs", unit="graph",
                    disable=None)
         for size in bar:
             ones = np.ones(size, dtype=np.int64)
@@ -137,14 +178,14 @@ class CUDAGraphRunner:
                 forward_fn(input_ids, positions)  # warm-up: lazy initialisation, Triton autotuning
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
                     out = forward_fn(input_ids, positions)
             self.graphs[size] = (graph, out)
             used = free_before - torch.cuda.mem_get_info()[0]
             bar.set_postfix_str(f"{used / 2**20:.0f} MiB, {time.perf_counter() - t0:.1f} s")
         torch.cuda.synchronize()
         self.memory_bytes = free_before - torch.cuda.mem_get_info()[0]
-        logger.info("captured %d CUDA graphs (decode batch sizes %d..%d) in %.1f s, using %.0f MiB",
+        logger.info("captured %d full CUDA graphs (decode batch sizes %d..%d) in %.1f s, using %.0f MiB",
                     len(self.graphs), self.sizes[0], self.sizes[-1], time.perf_counter() - t0,
                     self.memory_bytes / 2**20)
 

@@ -12,6 +12,7 @@ all-gather are collectives), `make_output` (driver: sampling and prompt logprobs
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -22,11 +23,14 @@ from torch import nn
 
 from compilelm.distributed.parallel_state import get_tp_size, kv_heads_per_rank
 from compilelm.forward_context import AttentionMetadata, ForwardContext, set_forward_context
-from compilelm.runtime.cuda_graphs import CUDAGraphRunner, HostBatch, InputBuffers, capture_sizes
+from compilelm.runtime.cuda_graphs import CudaGraphDispatcher, CUDAGraphRunner, HostBatch, InputBuffers, graph_sizes
+from compilelm.runtime.piecewise_graphs import PiecewiseGraphs
 from compilelm.runtime.sampler import Sampler, SamplerOutput, gather_logprobs
 from compilelm.runtime.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+GRAPH_BYTES = 64 * 2**10  # device memory of one captured graph (its kernel parameters), estimated
 
 
 @dataclass
@@ -34,7 +38,8 @@ class StepInputs:
     """What every rank needs to run one step (host arrays only: cheap to send to other ranks)."""
 
     batch: HostBatch  # batch.logits_idx: sampled rows first, then the prompt-logprob rows
-    graph_size: int | None  # the captured decode graph to replay, else None
+    graph_mode: str  # "full" (a decode graph), "piecewise" (piece graphs, attention eager) or "none"
+    graph_size: int | None  # the padded token count of the graph(s) to replay, else None
     num_sampled: int
 
 
@@ -60,36 +65,55 @@ class ModelRunner:
                                  torch.zeros(shape, dtype=dtype, device=device))
                           for name in model.attention_layer_names()}
         self.sampler = Sampler()
+        self.compiled = None  # the CompiledModel (-O1 and up): its pieces are what piecewise graphs capture
         self.forward_fn = self._build_forward(config)
         # On CUDA, step inputs go through static buffers (pinned host -> device, no sync), which
-        # the decode graphs read; on CPU each step makes fresh tensors.
-        self.buffers, self.cuda_graphs = None, None
+        # the graphs read; on CPU each step makes fresh tensors.
+        self.buffers, self.cuda_graphs, self.piecewise_graphs = None, None, None
+        self.dispatcher = CudaGraphDispatcher()  # no graphs: every step eager
         if device.type == "cuda":
             sched = config.scheduler
-            sizes = self._capture_sizes(config)
+            full, piecewise = self._graph_sizes(config)
             max_blocks = -(-config.max_model_len // self.block_size)
-            self.buffers = InputBuffers(max(sched.max_num_batched_tokens, max(sizes, default=0)),
+            self.buffers = InputBuffers(max(sched.max_num_batched_tokens, max(full + piecewise, default=0)),
                                         sched.max_num_seqs, max_blocks, device)
-            if sizes:
-                self.cuda_graphs = CUDAGraphRunner(sizes)
-                self.cuda_graphs.capture(self.forward_fn, self.buffers, self.kv_caches)
+            self._capture_graphs(full, piecewise if self.compiled is not None else [])
 
     @staticmethod
-    def _capture_sizes(config) -> list[int]:
-        compilation = getattr(config, "compilation", None)
-        if compilation is None or compilation.cudagraph_mode not in ("full", "full_and_piecewise"):
-            return []  # piecewise graphs are not implemented: those batches run eagerly
+    def _graph_sizes(config) -> tuple[list[int], list[int]]:
+        """(full, piecewise) capture sizes."""
         sched = config.scheduler
-        return capture_sizes(compilation, sched.max_num_seqs, sched.max_num_batched_tokens)
+        return graph_sizes(getattr(config, "compilation", None), sched.max_num_seqs, sched.max_num_batched_tokens)
+
+    def _capture_graphs(self, full: list[int], piecewise: list[int]) -> None:
+        """Piecewise graphs first, then full ones, each largest size first, all in one pool."""
+        if not full and not piecewise:
+            return
+        pool, stream = torch.cuda.graph_pool_handle(), None
+        if piecewise:
+            self.piecewise_graphs = PiecewiseGraphs(piecewise, pool)
+            self.compiled.wrap_pieces(self.piecewise_graphs.wrap)
+            static = [*self.model.parameters(), *self.model.buffers(), *self.buffers.dev.values()]
+            self.piecewise_graphs.capture(self.forward_fn, self.buffers, self.kv_caches, static)
+            stream = self.piecewise_graphs.stream
+        if full:
+            self.cuda_graphs = CUDAGraphRunner(full, pool, stream)
+            self.cuda_graphs.capture(self.forward_fn, self.buffers, self.kv_caches)
+        self.dispatcher = CudaGraphDispatcher(tuple(full), tuple(piecewise))
+        measured = sum(g.memory_bytes for g in (self.piecewise_graphs, self.cuda_graphs) if g is not None)
+        estimate = self.graph_memory_estimate(self.model.config, self.config,
+                                              next(self.model.parameters()).dtype, full, piecewise)
+        logger.info("CUDA graph memory: %.0f MiB measured, %.0f MiB estimated (reserved before sizing the KV cache)",
+                    measured / 2**20, estimate / 2**20)
 
     def _build_forward(self, config):
         compilation = getattr(config, "compilation", None)
         if compilation is None or compilation.level == 0:
             return self.model
-        from compilelm.graphs import compile_model
+        from compilelm.graphs import CompiledModel, compile_counters, default_cache_dir
         t0 = time.perf_counter()
-        fn = compile_model(self.model, compilation, config.cache_key_factors(self.model.config))
-        from compilelm.graphs import compile_counters, default_cache_dir
+        self.compiled = CompiledModel(self.model, compilation, config.cache_key_factors(self.model.config))
+        fn = self.compiled.compile()
         c = compile_counters
         logger.info("compiled (-O%d) in %.1f s: %d Inductor compiles, %d artifacts loaded from the "
                     "compile cache at %s", compilation.level, time.perf_counter() - t0,
@@ -104,17 +128,36 @@ class ModelRunner:
         return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
     @staticmethod
-    def cuda_memory_reserve(model_config, config, dtype: torch.dtype) -> int:
-        """Bytes to keep free for activations when the KV cache is sized on a GPU: an eager step
-        of max_num_batched_tokens, the decode graphs' pool (the largest capture size's
-        activations), and the sampler's fp32 logits. An estimate, checked at startup against the
-        measured graph memory (logged)."""
-        mc, sched = model_config, config.scheduler
+    def _activation_bytes_per_token(model_config, dtype: torch.dtype) -> int:
+        """About twice the live activations of one token in one layer (with headroom for the
+        allocator's rounding)."""
+        mc = model_config
         per_token = (4 * mc.hidden_size + 2 * (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim
                      + 3 * mc.intermediate_size) * torch.empty((), dtype=dtype).element_size()
-        graph_tokens = max(ModelRunner._capture_sizes(config), default=0)
+        return 2 * per_token
+
+    @staticmethod
+    def graph_memory_estimate(model_config, config, dtype: torch.dtype, full: list[int], piecewise: list[int]) -> int:
+        """The graphs' memory: their shared pool (the largest size's activations: smaller sizes
+        reuse it), the piecewise call sites' static copies of the attention outputs
+        ([largest piecewise size, num_heads * head_dim] each), and the graphs themselves."""
+        mc = model_config
+        pool = ModelRunner._activation_bytes_per_token(mc, dtype) * max(full + piecewise, default=0)
+        attn_copies = (max(piecewise, default=0) * mc.num_hidden_layers * mc.num_attention_heads * mc.head_dim
+                       * torch.empty((), dtype=dtype).element_size())
+        graphs = GRAPH_BYTES * (len(full) + len(piecewise) * (mc.num_hidden_layers + 1))
+        return pool + attn_copies + graphs
+
+    @staticmethod
+    def cuda_memory_reserve(model_config, config, dtype: torch.dtype) -> int:
+        """Bytes to keep free when the KV cache is sized on a GPU: an eager step of
+        max_num_batched_tokens, the CUDA graphs (`graph_memory_estimate`), and the sampler's
+        fp32 logits. An estimate, logged at startup beside the measured graph memory."""
+        mc, sched = model_config, config.scheduler
+        full, piecewise = ModelRunner._graph_sizes(config)
         logits = 3 * sched.max_num_seqs * mc.vocab_size * 4
-        return 2 * per_token * (sched.max_num_batched_tokens + graph_tokens) + logits
+        return (ModelRunner._activation_bytes_per_token(mc, dtype) * sched.max_num_batched_tokens + logits
+                + ModelRunner.graph_memory_estimate(mc, config, dtype, full, piecewise))
 
     def prepare_step(self, sched: SchedulerOutput) -> StepInputs:
         """The plan as flat host arrays: every scheduled token of every request, and the rows whose
@@ -142,11 +185,8 @@ class ModelRunner:
         batch = HostBatch(np.concatenate(ids), np.concatenate(pos), np.concatenate(slots),
                           np.asarray(cu, dtype=np.int32), np.asarray(seq_lens, dtype=np.int32), block_tables,
                           logits_idx, max(sr.num_new_tokens for sr in sched.scheduled))
-        num_tokens = len(batch.input_ids)
-        graph_size = None
-        if self.cuda_graphs is not None and num_tokens == len(sched.scheduled):
-            graph_size = self.cuda_graphs.padded_size(num_tokens)
-        return StepInputs(batch, graph_size, len(sample_idx))
+        graph_mode, graph_size = self.dispatcher.dispatch(len(batch.input_ids), len(sched.scheduled))
+        return StepInputs(batch, graph_mode, graph_size, len(sample_idx))
 
     @staticmethod
     def _num_prompt_logprob_rows(sr) -> int:
@@ -157,13 +197,15 @@ class ModelRunner:
             return 0
         return max(0, min(start + sr.num_new_tokens, req.num_prompt_tokens - 1) - start)
 
-    def prepare_inputs(self, b: HostBatch, padded_size: int | None = None):
-        """(input_ids, positions, metadata, logits_idx) on the device. With `padded_size` (a
-        captured decode graph's size) the batch is padded to it, block tables at full width."""
+    def prepare_inputs(self, b: HostBatch, graph_mode: str = "none", graph_size: int | None = None):
+        """(input_ids, positions, metadata, logits_idx) on the device. For a full graph the batch
+        is padded to its size in tokens and sequences, block tables at full width; for piecewise
+        graphs in tokens only (the padding rows belong to no sequence)."""
         if self.buffers is not None:
-            if padded_size is not None:
-                return self.buffers.load(b, padded_size, padded_size, self.buffers.max_blocks)
-            return self.buffers.load(b, len(b.input_ids), len(b.seq_lens), b.block_tables.shape[1])
+            if graph_mode == "full":
+                return self.buffers.load(b, graph_size, graph_size, self.buffers.max_blocks)
+            num_tokens = graph_size if graph_mode == "piecewise" else len(b.input_ids)
+            return self.buffers.load(b, num_tokens, len(b.seq_lens), b.block_tables.shape[1])
         dev = self.device
         as_t = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(dev, dt)  # noqa: E731
         meta = AttentionMetadata(
@@ -187,13 +229,16 @@ class ModelRunner:
     @torch.inference_mode()
     def run_step(self, step: StepInputs) -> torch.Tensor | None:
         """Runs one forward for the whole plan; returns fp32 logits [len(logits_idx), vocab], or
-        None if no row needs them. A pure-decode batch replays the decode graph of its padded size."""
+        None if no row needs them. The step runs as `prepare_step` dispatched it: a full graph, the
+        piece graphs of its padded size with attention eager between them, or eagerly."""
         b = step.batch
-        input_ids, positions, meta, logits_idx = self.prepare_inputs(b, step.graph_size)
-        if step.graph_size is not None:
-            hidden = self.cuda_graphs.replay(step.graph_size)[:len(b.input_ids)]
+        input_ids, positions, meta, logits_idx = self.prepare_inputs(b, step.graph_mode, step.graph_size)
+        if step.graph_mode == "full":
+            hidden = self.cuda_graphs.replay(step.graph_size)  # [graph_size, hidden]
         else:
-            with set_forward_context(ForwardContext(meta, self.kv_caches)):
+            pieces = (self.piecewise_graphs.at_size(step.graph_size) if step.graph_mode == "piecewise"
+                      else contextlib.nullcontext())
+            with set_forward_context(ForwardContext(meta, self.kv_caches)), pieces:
                 hidden = self.forward_fn(input_ids, positions)
         if len(b.logits_idx) == 0:
             return None

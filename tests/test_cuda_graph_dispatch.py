@@ -1,0 +1,111 @@
+"""CUDA-graph choices made on the host: capture sizes, the full -> piecewise -> eager dispatch,
+the memory reserve, and the decisions `prepare_step` sends to every rank (run on CPU with a
+dispatcher set by hand; the steps themselves then run eagerly)."""
+
+import dataclasses
+
+import pytest
+
+from compilelm import LLM, SamplingParams
+from compilelm.graphs.config import CompileConfig
+from compilelm.models.config import dummy_config
+from compilelm.runtime.cuda_graphs import CudaGraphDispatcher, default_capture_sizes, graph_sizes
+from compilelm.runtime.model_runner import GRAPH_BYTES, ModelRunner
+
+
+def test_default_capture_sizes():
+    sizes = default_capture_sizes()
+    assert sizes[:5] == [1, 2, 4, 8, 16] and 256 in sizes and 264 not in sizes and 272 in sizes
+    assert sizes[-1] == 512 and len(sizes) == 3 + 32 + 16
+
+
+@pytest.mark.parametrize("mode,level,full,piecewise", [
+    ("full_and_piecewise", 2, [1, 2, 4, 8, 16], [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]),
+    ("piecewise", 1, [], [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]),
+    ("full", 2, [1, 2, 4, 8, 16], []),
+    ("none", 2, [], []),
+    ("full_and_piecewise", 0, [1, 2, 4, 8, 16], []),  # -O0 has no pieces to capture
+])
+def test_graph_sizes_by_mode(mode, level, full, piecewise):
+    """Full graphs hold at most max_num_seqs (16) tokens, piecewise ones the step budget (64)."""
+    config = CompileConfig.for_level(level, cudagraph_mode=mode)
+    assert graph_sizes(config, 16, 64) == (full, piecewise)
+
+
+def test_graph_sizes_configured_and_none():
+    config = CompileConfig(cudagraph_capture_sizes=[3, 100, 7, 1000])
+    assert graph_sizes(config, 8, 512) == ([3, 7], [3, 7, 100])
+    assert graph_sizes(None, 8, 512) == ([], [])
+
+
+@pytest.mark.parametrize("num_tokens,num_seqs,expected", [
+    (1, 1, ("full", 1)),
+    (3, 3, ("full", 4)),  # pure decode, padded to the next full size
+    (8, 8, ("full", 8)),
+    (9, 9, ("piecewise", 16)),  # decode past the largest full graph: piecewise
+    (3, 2, ("piecewise", 4)),  # a prefill chunk beside a decode
+    (17, 1, ("piecewise", 24)),
+    (24, 5, ("piecewise", 24)),
+    (25, 5, ("none", None)),  # past the largest piecewise size: eager
+    (30, 30, ("none", None)),
+])
+def test_dispatch(num_tokens, num_seqs, expected):
+    d = CudaGraphDispatcher(full_sizes=(1, 2, 4, 8), piecewise_sizes=(1, 2, 4, 8, 16, 24))
+    assert d.dispatch(num_tokens, num_seqs) == expected
+
+
+def test_dispatch_without_graphs():
+    assert CudaGraphDispatcher().dispatch(4, 4) == ("none", None)
+    assert CudaGraphDispatcher(full_sizes=(1, 2)).dispatch(2, 1) == ("none", None)
+    assert CudaGraphDispatcher(piecewise_sizes=(4,)).dispatch(2, 2) == ("piecewise", 4)
+
+
+def test_memory_reserve_counts_piecewise_graphs():
+    """Piecewise graphs add their static attention-output copies (one [largest size, q width]
+    buffer per layer), a larger pool (64 tokens instead of 16) and the graphs themselves."""
+    mc = dummy_config("smollm2-135m")
+    import torch
+
+    from compilelm.llm import make_engine_config
+
+    def reserve(mode):
+        config = make_engine_config("dummy:smollm2-135m", max_model_len=256, max_num_seqs=16,
+                                    max_num_batched_tokens=64, compilation_config={"cudagraph_mode": mode})
+        return ModelRunner.cuda_memory_reserve(mc, config, torch.bfloat16)
+
+    act = ModelRunner._activation_bytes_per_token(mc, torch.bfloat16)
+    sizes = graph_sizes(CompileConfig(), 16, 64)[1]
+    attn_copies = 64 * mc.num_hidden_layers * mc.num_attention_heads * mc.head_dim * 2
+    assert reserve("full_and_piecewise") - reserve("full") == (
+        act * (64 - 16) + attn_copies + GRAPH_BYTES * len(sizes) * (mc.num_hidden_layers + 1))
+    assert reserve("full") - reserve("none") == act * 16 + GRAPH_BYTES * 5
+
+
+def test_prepare_step_dispatch_decisions():
+    """Real schedules (prefill chunks, mixed steps, pure decode) get the decisions of the rule:
+    pure decode -> full graph of the next size; up to 16 tokens -> piecewise; else eager."""
+    llm = LLM("dummy:smollm2-135m", model_overrides={"num_hidden_layers": 2}, max_model_len=256,
+              num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=32, enforce_eager=True)
+    runner = llm.engine.model_runner
+    runner.dispatcher = CudaGraphDispatcher(full_sizes=(1, 2, 4), piecewise_sizes=(1, 2, 4, 8, 16))
+    seen, prepare = [], runner.prepare_step
+
+    def record(sched):
+        step = prepare(sched)
+        seen.append((len(step.batch.input_ids), len(step.batch.seq_lens), step.graph_mode, step.graph_size))
+        return dataclasses.replace(step, graph_mode="none", graph_size=None)  # no graphs on CPU
+
+    runner.prepare_step = record
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate([[5] * 3, list(range(100, 160)), [7] * 5], params, use_tqdm=False)
+    for tokens, seqs, mode, size in seen:
+        if tokens == seqs and tokens <= 4:
+            assert (mode, size) == ("full", {1: 1, 2: 2, 3: 4, 4: 4}[tokens])
+        elif tokens <= 16:
+            assert mode == "piecewise" and size == min(s for s in (1, 2, 4, 8, 16) if s >= tokens)
+        else:
+            assert (mode, size) == ("none", None)
+    modes = {mode for _, _, mode, _ in seen}
+    assert modes == {"full", "piecewise", "none"}, seen
+    # a step mixing the long prompt's last chunk with two decodes went piecewise
+    assert any(mode == "piecewise" and tokens > seqs > 1 for tokens, seqs, mode, _ in seen), seen
