@@ -76,12 +76,15 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     vocab = logits.shape[-1]
     temperature = _row_tensor([1.0 if p.is_greedy else p.temperature for p in params], logits)
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    logits = apply_top_k_top_p_min_p(
-        logits / temperature.unsqueeze(1),
-        _row_tensor(top_k, logits, torch.int64),
-        _row_tensor([p.top_p for p in params], logits),
-        _row_tensor([p.min_p for p in params], logits),
-    )
+    logits = logits / temperature.unsqueeze(1)
+    if any(k < vocab for k in top_k) or any(p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+        # a sort over the vocabulary: only when some row filters (plain sampling is the common case)
+        logits = apply_top_k_top_p_min_p(
+            logits,
+            _row_tensor(top_k, logits, torch.int64),
+            _row_tensor([p.top_p for p in params], logits),
+            _row_tensor([p.min_p for p in params], logits),
+        )
     probs = logits.softmax(dim=-1)
     generators = [None if p.is_greedy else r.generator for p, r in zip(params, requests)]
     noise = exponential_noise(probs, generators)
