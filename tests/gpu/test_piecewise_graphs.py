@@ -61,6 +61,12 @@ def record_dispatch(runner) -> list:
     return seen
 
 
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One compile cache for the module: each shape compiles cold once."""
+    return str(tmp_path_factory.mktemp("compile_cache"))
+
+
 @pytest.fixture(autouse=True)
 def no_tf32():
     old = torch.backends.cuda.matmul.allow_tf32
@@ -81,7 +87,7 @@ def debug_addresses():
 
 @pytest.mark.parametrize("shape,mode", [("llama3", "piecewise"), ("qwen3", "piecewise"),
                                         ("llama3", "full_and_piecewise")])
-def test_piecewise_matches_eager(shape, mode, tmp_path, debug_addresses):
+def test_piecewise_matches_eager(shape, mode, tmp_path, cache_dir, debug_addresses):
     build_hf_model(shape, tmp_path / "model")
     llm = make_llm(tmp_path / "model", enforce_eager=True)
     eager_tokens, eager_logprobs, eager_cached = generate(llm)
@@ -90,7 +96,7 @@ def test_piecewise_matches_eager(shape, mode, tmp_path, debug_addresses):
     torch.cuda.empty_cache()
 
     llm = make_llm(tmp_path / "model", compilation_config={
-        "cache_dir": str(tmp_path / "cache"), "cudagraph_mode": mode, "cudagraph_capture_sizes": SIZES})
+        "cache_dir": cache_dir, "cudagraph_mode": mode, "cudagraph_capture_sizes": SIZES})
     runner = llm.engine.model_runner
     pw = runner.piecewise_graphs
     assert pw.debug and len(pw.sites) == 5  # 4 layers -> 5 pieces
@@ -116,13 +122,13 @@ def test_piecewise_matches_eager(shape, mode, tmp_path, debug_addresses):
     torch.cuda.empty_cache()
 
 
-def test_padding_rows_write_no_kv(tmp_path):
+def test_padding_rows_write_no_kv(tmp_path, cache_dir):
     """Decoding together (padded to 8, 16, ...) gives each request's tokens when run alone, and a
     step whose 3 real rows are padded to 64 leaves every KV-cache byte as it was when its real
     rows write nowhere (slot -1): the padding rows never write the cache."""
     build_hf_model("llama3", tmp_path / "model")
     llm = make_llm(tmp_path / "model", compilation_config={
-        "cache_dir": str(tmp_path / "cache"), "cudagraph_mode": "piecewise", "cudagraph_capture_sizes": SIZES})
+        "cache_dir": cache_dir, "cudagraph_mode": "piecewise", "cudagraph_capture_sizes": SIZES})
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     together = [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
     alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts()]
