@@ -23,6 +23,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor.decomposition import select_decomp_table
 from tqdm import tqdm
 
+from compilelm.distributed.parallel_state import get_tp_rank
 from compilelm.graphs.counters import compile_counters
 from compilelm.graphs.piecewise import PieceRunner, compile_piece, describe, piece_key, token_arg
 from compilelm.graphs.split import split_graph
@@ -111,7 +112,8 @@ class CompilelmBackend:
         compile_counters.unique_pieces += len(groups)
         sizes = [None, *self.config.compile_sizes]
         runners, table = {}, {}
-        bar = tqdm(total=len(groups) * len(sizes), desc="compilelm: compiling pieces", unit="graph", disable=None)
+        bar = tqdm(total=len(groups) * len(sizes), desc="compilelm: compiling pieces", unit="graph",
+                   disable=True if get_tp_rank() > 0 else None)  # one bar: rank 0's
         for key, group in groups.items():
             first, compiled, files = group[0], {}, {}
             for size in sizes:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from compilelm.distributed.parallel_state import get_tp_rank
 from compilelm.models.config import ModelConfig, dummy_config
 from compilelm.models.registry import get_model_class
 
@@ -86,7 +87,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules", {})
     loaded: set[str] = set()
-    for name, tensor in tqdm(weights, total=total, desc="Loading weights", unit="tensor", leave=False):
+    bar = tqdm(weights, total=total, desc="Loading weights", unit="tensor", leave=False,
+               disable=get_tp_rank() > 0)  # one bar: rank 0's
+    for name, tensor in bar:
         if "rotary_emb.inv_freq" in name:
             continue
         if name == "lm_head.weight" and model.config.tie_word_embeddings:

@@ -79,7 +79,6 @@ class Worker:
 def worker_main(config: EngineConfig, rank: int, init_method: str, conn) -> None:
     """A rank > 0 process: build the Worker, then run what the driver sends until it goes away.
     Messages: (method, args, want_reply); replies: ("ok", result) or ("error", traceback)."""
-    os.environ.setdefault("TQDM_DISABLE", "1")  # rank 0 shows the progress bars
     try:
         conn.send(("ok", None))  # started: the driver may now wait in the rendezvous
         worker = Worker(config, rank, init_method)
