@@ -10,7 +10,7 @@ from compilelm import LLM, SamplingParams
 from compilelm.graphs.config import CompileConfig
 from compilelm.models.config import dummy_config
 from compilelm.runtime.cuda_graphs import CudaGraphDispatcher, default_capture_sizes, graph_sizes
-from compilelm.runtime.model_runner import GRAPH_BYTES, ModelRunner
+from compilelm.runtime.model_runner import FULL_GRAPH_BYTES, PIECE_GRAPH_BYTES, ModelRunner
 
 
 def test_default_capture_sizes():
@@ -77,8 +77,8 @@ def test_memory_reserve_counts_piecewise_graphs():
     sizes = graph_sizes(CompileConfig(), 16, 64)[1]
     attn_copies = 64 * mc.num_hidden_layers * mc.num_attention_heads * mc.head_dim * 2
     assert reserve("full_and_piecewise") - reserve("full") == (
-        act * (64 - 16) + attn_copies + GRAPH_BYTES * len(sizes) * (mc.num_hidden_layers + 1))
-    assert reserve("full") - reserve("none") == act * 16 + GRAPH_BYTES * 5
+        act * (64 - 16) + attn_copies + PIECE_GRAPH_BYTES * len(sizes) * (mc.num_hidden_layers + 1))
+    assert reserve("full") - reserve("none") == act * 16 + FULL_GRAPH_BYTES * 5
 
 
 def test_prepare_step_dispatch_decisions():

@@ -21,8 +21,10 @@ reuse the largest one's activation memory.
 
 Memory: graphs hold the KV cache's addresses, so they are captured after the cache exists. The
 engine sizes the cache leaving `ModelRunner.cuda_memory_reserve` free (an estimate of eager
-activations + the graph pool + logits); the measured sizes are logged after capture
-(on an H100: 254 MiB for a 135M model, 72 MiB for an 8B one, full graphs of sizes 1..64).
+activations + the graphs + logits); measured and estimated sizes are logged after capture.
+On an H100, smollm2-135m -O2: piecewise graphs of 1..512 tokens (31 pieces x 51 sizes) in 2.0 s
+and 438 MiB, then full graphs of 1..64 in 0.2 s and 12 MiB more (the pool is reused). A mixed
+step of 8 decodes + a 128-token prefill chunk: 2.0 ms with piecewise graphs, 6.6 ms without.
 """
 
 from __future__ import annotations
