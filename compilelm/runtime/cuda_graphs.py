@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from compilelm.distributed.parallel_state import get_tp_rank
 from compilelm.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 
 logger = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ class CUDAGraphRunner:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         bar = tqdm(sorted(self.sizes, reverse=True), desc="compilelm: capturing full CUDA graphs", unit="graph",
-                   disable=None)
+                   disable=True if get_tp_rank() > 0 else None)  # one bar: rank 0's
         for size in bar:
             ones = np.ones(size, dtype=np.int64)
             dummy = HostBatch(input_ids=ones * 0, positions=ones * 0, slot_mapping=-ones,

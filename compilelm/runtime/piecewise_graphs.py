@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from compilelm.distributed.parallel_state import get_tp_rank
 from compilelm.forward_context import ForwardContext, set_forward_context
 from compilelm.runtime.cuda_graphs import HostBatch, InputBuffers
 
@@ -173,7 +174,7 @@ class PiecewiseGraphs:
                           seq_lens=np.ones(1, np.int32), block_tables=np.zeros((1, 1), np.int32),
                           logits_idx=np.zeros(0, np.int64), max_query_len=1)
         bar = tqdm(sorted(self.sizes, reverse=True), desc="compilelm: capturing piecewise CUDA graphs",
-                   unit="size", disable=None)
+                   unit="size", disable=True if get_tp_rank() > 0 else None)  # one bar: rank 0's
         for size in bar:
             input_ids, positions, meta, _ = buffers.load(dummy, size, 1, 1)
             with set_forward_context(ForwardContext(meta, kv_caches)):
