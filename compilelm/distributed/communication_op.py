@@ -20,11 +20,17 @@ from compilelm.distributed.custom_all_reduce import get_custom_all_reduce
 from compilelm.distributed.parallel_state import get_tp_size
 
 
+def _reduces_cpu_tensors() -> bool:
+    """A CPU tensor is summed over a gloo world. Under NCCL the only CPU tensors are the small
+    examples the fusion passes trace their patterns with (real tensors): only shapes matter there."""
+    return get_tp_size() > 1 and dist.get_backend() != "nccl"
+
+
 @torch.library.custom_op("compilelm::all_reduce", mutates_args=())
 def all_reduce(x: Tensor) -> Tensor:
     """Sum of `x` over the tensor-parallel group (a new tensor; `x` is untouched)."""
     out = x.clone()
-    if get_tp_size() > 1:
+    if _reduces_cpu_tensors():
         dist.all_reduce(out)
     return out
 

@@ -36,6 +36,8 @@ class CustomAllReduce:
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES):
         import torch.distributed._symmetric_memory as symm_mem
+
+        import compilelm.ops  # noqa: F401  (loads the kernels: compilelm/_C)
         self.group, self.max_bytes = group, max_bytes
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.buffer = symm_mem.empty(FLAG_BYTES + max_bytes, dtype=torch.uint8, device=device)

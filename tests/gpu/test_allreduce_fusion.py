@@ -58,6 +58,8 @@ def _spawn(fn, *args):
 
 
 def _rank_main(fn, rank, port, failures, args):
+    import compilelm.distributed.communication_op  # noqa: F401  (registers the ops' CUDA impls)
+    import compilelm.ops  # noqa: F401  (loads the kernels)
     from compilelm.distributed.parallel_state import destroy_distributed, init_distributed
     try:
         device = torch.device("cuda", rank)
@@ -187,14 +189,14 @@ def _generate(tp: int, **kw):
 
 
 def test_tp2_fused_equals_unfused_equals_tp1(tmp_path):
-    """Compiled with CUDA graphs (decode batches replay the one-shot kernel). fp32: in bf16 the
+    """Compiled, full CUDA graphs (decode batches replay the one-shot kernel). fp32: in bf16 the
     TP=2 sum is rounded to bf16 once more than TP=1's single matmul (the all-reduce's output
     dtype), so TP=2 and TP=1 are different computations and random dummy weights may pick other
     greedy tokens; in fp32 those roundings are ~1e-7 and the tokens must agree."""
     tokens = {}
     for fuse in (True, False):
         cc = {"passes": {"fuse_allreduce_rms": fuse}, "cache_dir": str(tmp_path / f"cache_{fuse}"),
-              "cudagraph_capture_sizes": [1, 2, 4]}
+              "cudagraph_mode": "full", "cudagraph_capture_sizes": [1, 2, 4]}
         tokens[fuse] = _generate(2, compilation_config=cc)
     tokens["tp1"] = _generate(1, enforce_eager=True)
     assert tokens[True] == tokens[False] == tokens["tp1"], tokens
