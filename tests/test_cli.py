@@ -29,7 +29,8 @@ def test_generate_on_tiny_dummy_model():
     (["--temperature", "-1"], "--temperature"),
     (["--dtype", "int3"], "--dtype"),
     (["--max-model-len", "1"], "--max-model-len"),
-    (["--tensor-parallel-size", "3"], "--tensor-parallel-size"),
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),  # 9 heads do not split in 2
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
 ])
 def test_bad_flag_is_named(args, flag):
     r = _cli("generate", "Hi", "--model", "dummy:smollm2-135m", *args)
