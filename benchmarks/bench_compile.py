@@ -106,8 +106,10 @@ def child_engine(model: str, cache_dir: str, started: float, max_model_len: int 
     _timed(CompiledModel, "compile", record, "compile", keep_self=True)
     _timed(ModelRunner, "__init__", record, "runner")
     from compilelm.runtime import cuda_graphs
-    if hasattr(getattr(cuda_graphs, "CUDAGraphRunner", None), "capture"):  # the graphs alone, if captured there
-        _timed(cuda_graphs.CUDAGraphRunner, "capture", record, "graph_capture")
+    from compilelm.runtime import piecewise_graphs
+    # the graphs alone (full decode graphs + piecewise graphs)
+    _timed(cuda_graphs.CUDAGraphRunner, "capture", record, "graph_capture")
+    _timed(piecewise_graphs.PiecewiseGraphs, "capture", record, "graph_capture")
     log = []
     handler = logging.Handler()
     handler.emit = lambda r: (log.append(r.getMessage()), print(f"[{time.time() - started:6.1f} s] {r.getMessage()}",

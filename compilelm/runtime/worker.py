@@ -51,7 +51,7 @@ class Worker:
                                                    config.tensor_parallel_size)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            # minus the activations and the decode CUDA graphs' pool, allocated after the cache
+            # minus the activations and the CUDA graphs' pool (full + piecewise), allocated after the cache
             budget = (total * cache.gpu_memory_utilization - (total - free)
                       - ModelRunner.cuda_memory_reserve(self.model_config, config, self.dtype))
         else:
