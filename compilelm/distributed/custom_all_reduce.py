@@ -29,6 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+# Below this the one-shot kernel loses to NCCL on 2 x H100 (64 x 4096 bf16 = 512 KiB: 0.97x;
+# 256 x 4096 = 2 MiB: 1.64x), so smaller tensors go to NCCL until the barrier-free rewrite.
+MIN_BYTES = 1 << 20
+
 logger = logging.getLogger(__name__)
 
 MAX_RANKS = 8
@@ -40,11 +44,12 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class CustomAllReduce:
     """This rank's symmetric buffer and every peer's address of it."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES):
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES,
+                 min_bytes: int = MIN_BYTES):
         import torch.distributed._symmetric_memory as symm_mem
 
         import compilelm.ops  # noqa: F401  (loads the kernels: compilelm/_C)
-        self.group, self.max_bytes = group, max_bytes
+        self.group, self.max_bytes, self.min_bytes = group, max_bytes, min_bytes
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.buffer = symm_mem.empty(FLAG_BYTES + max_bytes, dtype=torch.uint8, device=device)
         self.buffer[:FLAG_BYTES].zero_()
@@ -58,7 +63,8 @@ class CustomAllReduce:
     def fits(self, *tensors: Tensor) -> bool:
         """The kernel takes x (tensors[0]) and the residual/weight that go with it."""
         x = tensors[0]
-        return (x.dim() == 2 and x.dtype in DTYPES and x.numel() * x.element_size() <= self.max_bytes
+        nbytes = x.numel() * x.element_size()
+        return (x.dim() == 2 and x.dtype in DTYPES and self.min_bytes <= nbytes <= self.max_bytes
                 and x.size(1) * x.element_size() % 16 == 0
                 and all(t.is_cuda and t.dtype == x.dtype and t.is_contiguous() and t.data_ptr() % 16 == 0
                         for t in tensors))
@@ -75,7 +81,8 @@ _instance: CustomAllReduce | None = None
 _unavailable: set[int] = set()  # ids of the groups where it could not be made
 
 
-def init_custom_all_reduce(device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES) -> CustomAllReduce | None:
+def init_custom_all_reduce(device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES,
+                           min_bytes: int = MIN_BYTES) -> CustomAllReduce | None:
     """Makes (or remakes, for another size) this rank's buffer over the whole world; collective.
     None where peer memory is unavailable on some rank (every rank then agrees on NCCL)."""
     global _instance
@@ -84,7 +91,7 @@ def init_custom_all_reduce(device: torch.device, max_bytes: int = DEFAULT_MAX_BY
         _unavailable.add(id(group))
         return None
     try:
-        car, ok = CustomAllReduce(group, device, max_bytes), 1
+        car, ok = CustomAllReduce(group, device, max_bytes, min_bytes), 1
     except Exception as exc:  # noqa: BLE001 - no symmetric memory here: NCCL serves
         logger.warning("one-shot all-reduce unavailable (%s): NCCL all-reduce for every size", exc)
         car, ok = None, 0

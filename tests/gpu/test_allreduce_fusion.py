@@ -115,7 +115,7 @@ CASES = [(1, 4096), (7, 4096), (64, 4096), (255, 1000), (129, 512)]  # > 128 row
 
 def _kernel_vs_nccl(rank, device):
     from compilelm.distributed.custom_all_reduce import get_custom_all_reduce, init_custom_all_reduce
-    car = init_custom_all_reduce(device, MAX_BYTES)
+    car = init_custom_all_reduce(device, MAX_BYTES, min_bytes=0)  # the kernel at every size it takes
     assert car is not None and get_custom_all_reduce(torch.empty(1, device=device)) is car
     for dtype in (torch.float32, torch.bfloat16):
         for num_tokens, hidden in CASES:
@@ -143,7 +143,7 @@ def test_kernel_matches_nccl_and_is_identical_across_ranks():
 
 def _graph_replay(rank, device):
     from compilelm.distributed.custom_all_reduce import init_custom_all_reduce
-    init_custom_all_reduce(device, MAX_BYTES)
+    init_custom_all_reduce(device, MAX_BYTES, min_bytes=0)
     ops = torch.ops.compilelm
     x, residual, weight = _inputs(rank, 5, 4096, torch.bfloat16, device)
     ops.fused_allreduce_add_rms_norm(x, residual, weight, EPS)  # warm-up outside the capture
@@ -234,7 +234,7 @@ def _timing(rank, device, out_path):
     import torch.distributed as dist
 
     from compilelm.distributed.custom_all_reduce import init_custom_all_reduce
-    init_custom_all_reduce(device)  # the default buffer (8 MiB)
+    init_custom_all_reduce(device, min_bytes=0)  # the default buffer (8 MiB), the kernel at every size
     ops = torch.ops.compilelm
     results = []
     for num_tokens in TIMING_TOKENS:
