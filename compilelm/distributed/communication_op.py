@@ -18,6 +18,7 @@ from torch import Tensor
 
 from compilelm.distributed.custom_all_reduce import get_custom_all_reduce
 from compilelm.distributed.parallel_state import get_tp_size
+from compilelm.ops.norm import fused_add_rms_norm_ref
 
 
 def _reduces_cpu_tensors() -> bool:
@@ -51,13 +52,6 @@ def _(x):
     return torch.empty_like(x)
 
 
-def fused_add_rms_norm_ref(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    # residual = x + residual; (rms_norm(residual), residual) with layernorm.rms_norm's arithmetic
-    from compilelm.layers.layernorm import rms_norm
-    residual = x + residual
-    return rms_norm(residual, weight, eps), residual
-
-
 @torch.library.custom_op("compilelm::fused_allreduce_add_rms_norm", mutates_args=())
 def fused_allreduce_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """residual = all_reduce(x) + residual; returns (rms_norm(residual), residual).
@@ -71,7 +65,7 @@ def _(x, residual, weight, eps):
     if car is not None and car.fits(x, residual, weight):
         return car.all_reduce_add_rms_norm(x, residual, weight, eps)
     total = all_reduce(x)
-    if weight.dtype == x.dtype and hasattr(torch.ops.compilelm, "fused_add_rms_norm"):
+    if weight.dtype == x.dtype:
         return tuple(torch.ops.compilelm.fused_add_rms_norm(total, residual, weight, eps))
     return fused_add_rms_norm_ref(total, residual, weight, eps)
 
