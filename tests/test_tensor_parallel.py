@@ -8,6 +8,7 @@ import socket
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
@@ -75,6 +76,9 @@ def _layers_rank(rank: int, world: int, port: int, failures) -> None:
         torch.testing.assert_close(res, total + x)
         torch.testing.assert_close(normed, rms_norm(total + x, w, 1e-6))
         assert get_tp_rank() == rank
+        dist.barrier()
+        if rank == 0:  # tracing the fusion's patterns on one rank must not wait for a collective
+            assert AllReduceRMSNormFusionPass().patterns is not None
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         failures.put(f"rank {rank}: {exc!r}")
         raise

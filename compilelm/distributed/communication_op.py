@@ -12,6 +12,8 @@ its epilogue) when the tensor fits its buffer, else NCCL (+ the fused add+RMSNor
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -21,17 +23,32 @@ from compilelm.distributed.parallel_state import get_tp_size
 from compilelm.ops.norm import fused_add_rms_norm_ref
 
 
-def _reduces_cpu_tensors() -> bool:
-    """A CPU tensor is summed over a gloo world. Under NCCL the only CPU tensors are the small
-    examples the fusion passes trace their patterns with (real tensors): only shapes matter there."""
-    return get_tp_size() > 1 and dist.get_backend() != "nccl"
+_tracing_patterns = False
+
+
+@contextlib.contextmanager
+def tracing_patterns():
+    """While a fusion pass traces its patterns on small real example tensors (one rank at a time,
+    whenever its pass manager is built), all_reduce is the identity: only the graph's shape
+    matters, and a collective there would need every rank to trace in step (and, under NCCL,
+    cannot take the CPU examples at all)."""
+    global _tracing_patterns
+    prev, _tracing_patterns = _tracing_patterns, True
+    try:
+        yield
+    finally:
+        _tracing_patterns = prev
+
+
+def _reduces() -> bool:
+    return get_tp_size() > 1 and not _tracing_patterns
 
 
 @torch.library.custom_op("compilelm::all_reduce", mutates_args=())
 def all_reduce(x: Tensor) -> Tensor:
     """Sum of `x` over the tensor-parallel group (a new tensor; `x` is untouched)."""
     out = x.clone()
-    if _reduces_cpu_tensors():
+    if _reduces():
         dist.all_reduce(out)
     return out
 
@@ -42,7 +59,7 @@ def _(x):
     if car is not None and car.fits(x):
         return car.all_reduce(x)
     out = x.clone()
-    if get_tp_size() > 1:
+    if _reduces():
         dist.all_reduce(out)
     return out
 
