@@ -12,8 +12,6 @@ from torch import nn
 
 from compilelm import ops
 from compilelm.forward_context import get_forward_context
-from compilelm.layers.layernorm import rms_norm
-from compilelm.layers.rotary_embedding import apply_rope
 
 
 @torch.library.custom_op("compilelm::unified_attention", mutates_args=())
@@ -38,10 +36,10 @@ def _(q, k, v, layer_name):
 
 
 # RoPE (and Qwen3's QK-norm) inside attention: what `RopeAttentionFusionPass` rewrites
-# `rope(q, k) -> unified_attention` to. The rotated k is what goes into the KV cache. On CPU the
-# implementation is the same torch ops as the unfused path (same numerics); on CUDA one kernel
-# (`rope_and_cache`) normalizes and rotates q and k and writes k and v into the cache, then the
-# paged attention kernel runs.
+# `rope(q, k) -> unified_attention` to. The rotated k is what goes into the KV cache: one
+# `rope_and_cache` op normalizes and rotates q and k and writes k and v into the cache (on CPU
+# the same torch ops as the unfused path, so the same numerics; on CUDA one kernel), then paged
+# attention runs.
 
 def _rope_and_attention(q, k, v, q_norm_weight, k_norm_weight, eps, positions, cos_sin_cache, head_dim, layer_name):
     ctx = get_forward_context()
@@ -61,11 +59,7 @@ def unified_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
                            cos_sin_cache: torch.Tensor, head_dim: int, layer_name: str) -> torch.Tensor:
     # q: [num_tokens, num_heads * head_dim] (not yet rotated); positions: [num_tokens]
     # cos_sin_cache: [max_position, head_dim] = cos | sin of the half-dims
-    if q.is_cuda:
-        return _rope_and_attention(q, k, v, None, None, 0.0, positions, cos_sin_cache, head_dim, layer_name)
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
-    q, k = apply_rope(q, cos, sin, head_dim), apply_rope(k, cos, sin, head_dim)
-    return unified_attention(q, k, v, layer_name)
+    return _rope_and_attention(q, k, v, None, None, 0.0, positions, cos_sin_cache, head_dim, layer_name)
 
 
 @unified_attention_rope.register_fake
@@ -78,13 +72,8 @@ def unified_attention_qknorm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                   k_norm_weight: torch.Tensor, eps: float, positions: torch.Tensor,
                                   cos_sin_cache: torch.Tensor, head_dim: int, layer_name: str) -> torch.Tensor:
     # Qwen3: per-head RMSNorm of q and k (weights: [head_dim]), then RoPE, then attention.
-    if q.is_cuda:
-        return _rope_and_attention(q, k, v, q_norm_weight, k_norm_weight, eps, positions, cos_sin_cache, head_dim,
-                                   layer_name)
-    n = q.shape[0]
-    q = rms_norm(q.view(n, -1, head_dim), q_norm_weight, eps).view(n, -1)
-    k = rms_norm(k.view(n, -1, head_dim), k_norm_weight, eps).view(n, -1)
-    return unified_attention_rope(q, k, v, positions, cos_sin_cache, head_dim, layer_name)
+    return _rope_and_attention(q, k, v, q_norm_weight, k_norm_weight, eps, positions, cos_sin_cache, head_dim,
+                               layer_name)
 
 
 @unified_attention_qknorm_rope.register_fake

@@ -67,17 +67,18 @@ class Executor:
         return [result, *self._replies()]
 
     def _replies(self) -> list:
-        results = []
-        for rank, conn in enumerate(self.conns, start=1):
-            try:
-                status, value = conn.recv()
-            except EOFError:
-                raise RuntimeError(f"tensor-parallel rank {rank} exited "
-                                   f"(exit code {self.procs[rank - 1].exitcode})") from None
-            if status == "error":
-                raise RuntimeError(f"tensor-parallel rank {rank} failed:\n{value}")
-            results.append(value)
-        return results
+        return [self._reply(rank) for rank in range(1, len(self.conns) + 1)]
+
+    def _reply(self, rank: int):
+        """The next message from `rank`: its result, or its failure raised here."""
+        try:
+            status, value = self.conns[rank - 1].recv()
+        except EOFError:
+            raise RuntimeError(f"tensor-parallel rank {rank} exited "
+                               f"(exit code {self.procs[rank - 1].exitcode})") from None
+        if status == "error":
+            raise RuntimeError(f"tensor-parallel rank {rank} failed:\n{value}")
+        return value
 
     def _wait_started(self) -> None:
         """Every rank's process is running (else the rendezvous would wait for it until its timeout)."""
@@ -91,9 +92,10 @@ class Executor:
         self._replies()
 
     def _check_failures(self) -> None:
+        """Steps get no reply: a rank that sent something has failed (or exited)."""
         for rank, conn in enumerate(self.conns, start=1):
             if conn.poll():
-                self._replies()  # raises with the rank's traceback
+                self._reply(rank)  # raises with the rank's traceback
 
     # -- the engine's interface --------------------------------------------------------------------
 

@@ -129,7 +129,7 @@ class ModelRunner:
         """Bytes of one KV block on one rank."""
         kv_heads = kv_heads_per_rank(model_config.num_key_value_heads, tp_size)
         per_token = 2 * model_config.num_hidden_layers * kv_heads * model_config.head_dim
-        return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+        return per_token * block_size * dtype.itemsize
 
     @staticmethod
     def _activation_bytes_per_token(model_config, dtype: torch.dtype) -> int:
@@ -137,7 +137,7 @@ class ModelRunner:
         allocator's rounding)."""
         mc = model_config
         per_token = (4 * mc.hidden_size + 2 * (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim
-                     + 3 * mc.intermediate_size) * torch.empty((), dtype=dtype).element_size()
+                     + 3 * mc.intermediate_size) * dtype.itemsize
         return 2 * per_token
 
     @staticmethod
@@ -148,7 +148,7 @@ class ModelRunner:
         mc = model_config
         pool = ModelRunner._activation_bytes_per_token(mc, dtype) * max(full + piecewise, default=0)
         attn_copies = (max(piecewise, default=0) * mc.num_hidden_layers * mc.num_attention_heads * mc.head_dim
-                       * torch.empty((), dtype=dtype).element_size())
+                       * dtype.itemsize)
         graphs = FULL_GRAPH_BYTES * len(full) + PIECE_GRAPH_BYTES * len(piecewise) * (mc.num_hidden_layers + 1)
         return pool + attn_copies + graphs
 
