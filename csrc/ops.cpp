@@ -21,9 +21,11 @@ TORCH_LIBRARY(compilelm, m) {
   // query: [num_tokens, num_heads, head_size]; cu_seqlens_q: int32 [num_seqs + 1];
   // seq_lens: int32 [num_seqs]; block_tables: int32 [num_seqs, max_blocks_per_seq].
   // Returns [num_tokens, num_heads, head_size]; causal over each sequence's cached context.
+  // max_query_len: the longest query range of the batch where the caller knows it, else 0; 1
+  // promises a pure-decode batch (the CUDA kernels then skip their prefill pass).
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor cu_seqlens_q, "
-      "Tensor seq_lens, Tensor block_tables, float scale) -> Tensor");
+      "Tensor seq_lens, Tensor block_tables, float scale, int max_query_len=0) -> Tensor");
   // RoPE (neox style) of query and key at `positions`, after an optional per-head RMSNorm
   // (Qwen3's QK-norm: both weights [head_size] or neither), rotated key and value written to
   // their cache slots (as reshape_and_cache). query: [num_tokens, num_heads, head_size];

@@ -170,6 +170,14 @@ def test_opcheck_paged_attention(num_pad_rows):
     torch.library.opcheck(torch.ops.compilelm.paged_attention.default, inputs)
 
 
+def test_pure_decode_hint():
+    """max_query_len=1 (a pure-decode batch, as a full decode CUDA graph declares) changes no value."""
+    inputs = make_attention_inputs([(1, 9), (1, 30), (1, 1)], block_size=4, num_heads=4, num_kv_heads=2,
+                                   head_size=64, dtype=torch.float32, num_pad_rows=2)
+    torch.testing.assert_close(paged_attention(*inputs, max_query_len=1), paged_attention(*inputs), atol=0, rtol=0)
+    torch.library.opcheck(torch.ops.compilelm.paged_attention.default, (*inputs, 1))
+
+
 def test_bad_inputs_raise():
     key, value, key_cache, value_cache, slot_mapping = make_cache_inputs(torch.float32)
     with pytest.raises(RuntimeError, match="slot_mapping must be int64"):
@@ -193,3 +201,5 @@ def test_bad_inputs_raise():
         paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens - 1, block_tables, scale)
     with pytest.raises(RuntimeError, match="must match the query dtype"):
         paged_attention(query.bfloat16(), key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+    with pytest.raises(RuntimeError, match="max_query_len must be >= 0"):
+        paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale, -1)

@@ -26,7 +26,7 @@ def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_n
     v = v.view(num_tokens, num_kv_heads, head_dim)
     ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
     out = ops.paged_attention(q.view(num_tokens, -1, head_dim), key_cache, value_cache,
-                              meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, head_dim ** -0.5)
+                              meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, head_dim ** -0.5, meta.max_query_len)
     return out.view(num_tokens, -1)
 
 
@@ -50,7 +50,7 @@ def _rope_and_attention(q, k, v, q_norm_weight, k_norm_weight, eps, positions, c
     q = ops.rope_and_cache(positions, q.view(n, -1, head_dim), k.view(n, -1, head_dim), v.view(n, -1, head_dim),
                            cos_sin_cache, q_norm_weight, k_norm_weight, eps, key_cache, value_cache, meta.slot_mapping)
     out = ops.paged_attention(q, key_cache, value_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-                              head_dim ** -0.5)
+                              head_dim ** -0.5, meta.max_query_len)
     return out.view(n, -1)
 
 

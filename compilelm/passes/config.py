@@ -17,6 +17,7 @@ class PassConfig:
     fuse_norm_quant: bool = True  # RMSNormQuantFusionPass: (add +) rms_norm + fp8 quant -> one op
     fuse_act_quant: bool = True  # SiluMulQuantFusionPass: silu_and_mul + fp8 quant -> one op
     fuse_allreduce_rms: bool = True  # AllReduceRMSNormFusionPass: TP all-reduce + add + rms_norm -> one op
+    unfuse_residual_addmm: bool = True  # UnfuseResidualAddmmPass (CUDA): addmm(residual, x, w) -> mm + add
 
     def __post_init__(self):
         for f in fields(self):

@@ -240,8 +240,10 @@ at::Tensor paged_attention(
     const at::Tensor& cu_seqlens_q,
     const at::Tensor& seq_lens,
     const at::Tensor& block_tables,
-    double scale) {
+    double scale,
+    int64_t max_query_len) {
   TORCH_CHECK(query.device().is_cpu(), "query must be a CPU tensor, got ", query.device());
+  TORCH_CHECK(max_query_len >= 0, "max_query_len must be >= 0 (0 = unknown), got ", max_query_len);
   check_paged_attention_args(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables);
   const int64_t num_heads = query.size(1);
   const int64_t num_kv_heads = key_cache.size(2);

@@ -24,7 +24,8 @@ at::Tensor paged_attention(
     const at::Tensor& cu_seqlens_q,
     const at::Tensor& seq_lens,
     const at::Tensor& block_tables,
-    double scale);
+    double scale,
+    int64_t max_query_len);
 
 // rope_and_cache.cpp
 at::Tensor rope_and_cache(

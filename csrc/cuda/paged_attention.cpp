@@ -8,7 +8,9 @@
 // and break CUDA-graph capture. So both kernels are launched over the whole batch and each
 // skips the rows that are not its kind (a pure-decode batch costs the prefill kernel one launch
 // of programs that exit at once). Shapes the tiled kernel does not cover (fp32, head sizes
-// other than 64/128) run every row through the decode kernel, one row per program.
+// other than 64/128) run every row through the decode kernel, one row per program; so does a
+// batch the caller declares pure decode (max_query_len == 1, e.g. a full decode CUDA graph),
+// which then costs the decode kernel and, if it split, a small merge kernel: no prefill launch.
 //
 // Values are trusted, as in any kernel that must not sync: cu_seqlens_q non-decreasing from 0,
 // q_len <= seq_len <= max_blocks * block_size, block ids inside the cache (the CPU kernel
@@ -29,8 +31,10 @@ at::Tensor paged_attention(
     const at::Tensor& cu_seqlens_q,
     const at::Tensor& seq_lens,
     const at::Tensor& block_tables,
-    double scale) {
+    double scale,
+    int64_t max_query_len) {
   TORCH_CHECK(query.is_cuda(), "query must be a CUDA tensor, got ", query.device());
+  TORCH_CHECK(max_query_len >= 0, "max_query_len must be >= 0 (0 = unknown), got ", max_query_len);
   check_paged_attention_args(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables);
   TORCH_CHECK(query.stride(0) * query.element_size() % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(query.const_data_ptr()) % 16 == 0,
@@ -73,7 +77,7 @@ at::Tensor paged_attention(
 
   const int64_t max_context = tables.size(1) * key_cache.size(1);
   at::Tensor workspace;  // split-K partials: alive until both kernels are enqueued
-  if (prefill_supported(dtype, p.head_size, p.group)) {
+  if (max_query_len != 1 && prefill_supported(dtype, p.head_size, p.group)) {
     const SplitParams splits = launch_paged_attention_decode(p, query, /*all_rows=*/false, max_context, workspace);
     launch_paged_attention_prefill(p, splits, query);
   } else {

@@ -36,11 +36,11 @@ def assert_close(out, expected):
     assert error < relative, f"||out - ref|| / ||ref|| = {error:.2e}"
 
 
-def check_attention(inputs_cpu):
+def check_attention(inputs_cpu, max_query_len=0):
     """CUDA kernel vs the plain-torch reference and vs the CPU kernel; padding rows are zero."""
     inputs = cuda(inputs_cpu)
     poison_allocator(inputs[0].shape, inputs[0].dtype)
-    out = paged_attention(*inputs)
+    out = paged_attention(*inputs, max_query_len=max_query_len)
     torch.cuda.synchronize()
     assert out.dtype == inputs[0].dtype and out.shape == inputs[0].shape and out.is_contiguous()
     assert_close(out, paged_attention_ref(*inputs))
@@ -100,6 +100,18 @@ def test_pure_decode_and_pure_prefill_batches(batch):
     ))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_size,group", [(64, 3), (128, 4), (128, 8), (256, 2)])
+@pytest.mark.parametrize("contexts", [(700, 33, 1, 2048, 64) * 3, (16000,), (1, 2)])
+def test_declared_pure_decode(dtype, head_size, group, contexts):
+    # max_query_len=1 (a full decode graph): the decode kernel alone over every row, split-K merged
+    # by its own merge kernel, padding rows (past the last sequence) zeroed, as without the hint
+    check_attention(make_attention_inputs(
+        [(1, n) for n in contexts], block_size=16, num_heads=2 * group, num_kv_heads=2, head_size=head_size,
+        dtype=dtype, num_pad_rows=5,
+    ), max_query_len=1)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_head_size_256_and_odd_group(dtype):
     # Shapes outside the tiled kernel (head_size 256) and a group of 3 heads (GP = 4, one masked)
@@ -152,6 +164,9 @@ def test_opcheck():
             num_pad_rows=2,
         )
         torch.library.opcheck(torch.ops.compilelm.paged_attention.default, cuda(inputs))
+    decode = make_attention_inputs([(1, 9), (1, 40)], block_size=16, num_heads=4, num_kv_heads=2, head_size=64,
+                                   dtype=torch.bfloat16, num_pad_rows=2)
+    torch.library.opcheck(torch.ops.compilelm.paged_attention.default, (*cuda(decode), 1))
 
 
 def test_bad_inputs_raise():
