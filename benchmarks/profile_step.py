@@ -55,7 +55,7 @@ def kernels(prof) -> list[tuple[str, float, float]]:
     return out
 
 
-def summarize(events, steps: int, wall_us: float) -> dict:
+def summarize(events, wall_us: float, steps: int) -> dict:
     by_kind, by_name = collections.Counter(), collections.defaultdict(lambda: [0, 0.0])
     for name, _, dur in events:
         by_kind[kind_of(name)] += dur
