@@ -38,6 +38,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192  # token budget of one step
     max_model_len: int = 8192  # prompt + output tokens of one request
     enable_chunked_prefill: bool = True
+    # Schedule and launch step N+1 before step N's sampled tokens reach the host (runtime/async_step.py).
+    # None = on where it helps (CUDA, tensor_parallel_size 1), off otherwise.
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

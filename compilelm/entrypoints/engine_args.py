@@ -24,6 +24,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     g.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="KV-cache budget on CPU")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule step N+1 while the GPU runs step N (default: on for CUDA with one rank)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over N ranks, one process each (gloo on CPU, NCCL on GPU)")
     g.add_argument("--quantization", "-q", default=None, choices=["fp8"],
@@ -57,6 +59,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kw["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens is not None:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if getattr(args, "async_scheduling", None) is not None:
+        kw["async_scheduling"] = args.async_scheduling
     compilation = args.compilation_config
     if args.no_compile_cache:
         import json

@@ -103,25 +103,39 @@ class HostBatch:
 
 
 class InputBuffers:
-    """Static device tensors for a step's inputs, each with a pinned host twin."""
+    """Static device tensors for a step's inputs, each with two pinned host twins used in turn.
+
+    The host -> device copies are queued, not waited for: with async scheduling the host fills
+    step N+1's inputs while step N's copies may still be waiting in the stream, so step N+1 writes
+    the other twin. Before a twin is rewritten, the event recorded after its last copies is waited
+    on (already passed in practice: the engine has waited for step N-1's output by then)."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
         self.max_blocks = max_blocks  # block-table width of the captured graphs
-        self.host, self.dev = {}, {}
+        pinned = device.type == "cuda"
+        self.hosts: list[dict[str, torch.Tensor]] = [{}, {}]
+        self.dev: dict[str, torch.Tensor] = {}
         for name, size, dtype in (("input_ids", max_tokens, torch.int64), ("positions", max_tokens, torch.int64),
                                   ("slot_mapping", max_tokens, torch.int64),
                                   ("cu_seqlens_q", max_seqs + 1, torch.int32), ("seq_lens", max_seqs, torch.int32),
                                   ("block_tables", max_seqs * max_blocks, torch.int32),  # flat: any [S, W] view
                                   ("logits_idx", max_tokens, torch.int64)):
-            self.host[name] = torch.zeros(size, dtype=dtype, pin_memory=device.type == "cuda")
+            for host in self.hosts:
+                host[name] = torch.zeros(size, dtype=dtype, pin_memory=pinned)
             self.dev[name] = torch.zeros(size, dtype=dtype, device=device)
+        self.copied = [torch.cuda.Event() if pinned else None for _ in self.hosts]  # each twin's last copies
+        self.turn = 0
 
     def load(self, b: HostBatch, num_tokens: int, num_seqs: int, width: int):
         """Copies `b`, padded to `num_tokens` tokens and `num_seqs` sequences with block tables
         `width` wide, into the buffers; returns (input_ids, positions, metadata, logits_idx),
         views of the device buffers."""
         s = len(b.seq_lens)
-        h = {k: v.numpy() for k, v in self.host.items()}
+        self.turn ^= 1
+        host, copied = self.hosts[self.turn], self.copied[self.turn]
+        if copied is not None:
+            copied.synchronize()  # its previous copies have left this twin (returns at once if never recorded)
+        h = {k: v.numpy() for k, v in host.items()}
         fill = {"input_ids": (b.input_ids, 0, num_tokens), "positions": (b.positions, 0, num_tokens),
                 "slot_mapping": (b.slot_mapping, -1, num_tokens),
                 "cu_seqlens_q": (b.cu_seqlens_q, b.cu_seqlens_q[-1], num_seqs + 1),
@@ -137,7 +151,9 @@ class InputBuffers:
         d = {}
         for name, size in sizes.items():  # the copies queue behind the previous step's work
             d[name] = self.dev[name][:size]
-            d[name].copy_(self.host[name][:size], non_blocking=True)
+            d[name].copy_(host[name][:size], non_blocking=True)
+        if copied is not None:
+            copied.record()
         meta = AttentionMetadata(slot_mapping=d["slot_mapping"], cu_seqlens_q=d["cu_seqlens_q"],
                                  seq_lens=d["seq_lens"], block_tables=d["block_tables"].view(num_seqs, width),
                                  max_query_len=b.max_query_len, max_seq_len=int(b.seq_lens.max()))

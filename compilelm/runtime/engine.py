@@ -1,4 +1,5 @@
-"""LLMEngine: owns the loop. Each `step()` is schedule -> run the model -> update -> detokenize.
+"""LLMEngine: owns the loop. Each `step()` is schedule -> run the model -> update -> detokenize;
+with async scheduling (runtime/async_step.py) it launches step N+1 before it processes step N.
 
 The scheduler decides who runs, the model runner owns the tensors, and this file turns tokens into
 RequestOutputs: incremental text, stop strings, logprobs, and fan-out of `n > 1` requests into
@@ -18,11 +19,12 @@ from compilelm.config import EngineConfig, SchedulerConfig
 from compilelm.models.loader import load_model_config, resolve_model
 from compilelm.models.tokenizer import load_tokenizer
 from compilelm.outputs import CompletionOutput, Logprob, RequestOutput
+from compilelm.runtime.async_step import AsyncStepOutput, needs_host_state
 from compilelm.runtime.detokenizer import IncrementalDetokenizer, check_stop_strings, detokenize_logprobs
-from compilelm.runtime.kv_cache_manager import KVCacheManager
 from compilelm.runtime.executor import Executor
+from compilelm.runtime.kv_cache_manager import KVCacheManager
 from compilelm.runtime.request import Request, RequestStatus
-from compilelm.runtime.scheduler import Scheduler
+from compilelm.runtime.scheduler import Scheduler, SchedulerOutput
 from compilelm.sampling_params import SamplingParams
 
 logger = logging.getLogger("compilelm")
@@ -61,8 +63,15 @@ class LLMEngine:
             raise ValueError(f"max_model_len ({max_len}) exceeds the model's context length "
                              f"({self.model_config.max_position_embeddings})")
         sched = config.scheduler or SchedulerConfig(max_num_batched_tokens=2048, max_model_len=max_len)
-        self.config = config = replace(config, max_model_len=max_len,
-                                       scheduler=replace(sched, max_model_len=max_len))
+        async_scheduling = sched.async_scheduling
+        if async_scheduling is None:  # on where the host's work can hide behind the GPU's
+            async_scheduling = config.torch_device().type == "cuda" and config.tensor_parallel_size == 1
+        elif async_scheduling and config.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling needs tensor_parallel_size == 1 "
+                             f"(got {config.tensor_parallel_size})")
+        self.async_scheduling = async_scheduling
+        self.config = config = replace(config, max_model_len=max_len, scheduler=replace(
+            sched, max_model_len=max_len, async_scheduling=async_scheduling))
         self.device, self.dtype = config.torch_device(), config.torch_dtype()
         self.tokenizer = load_tokenizer(self.source)
         self.executor = Executor(config)  # every rank loads its shard of the weights
@@ -81,6 +90,8 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, tuple[_Parent, _Child]] = {}
         self._ids = itertools.count()
+        self._in_flight: tuple[SchedulerOutput, AsyncStepOutput] | None = None  # async: the launched step
+        self._host_state: dict[str, Request] = {}  # requests that may need `needs_host_state`
         self.eos_token_id = self.tokenizer.eos_token_id
         if self.eos_token_id is None and self.model_config.eos_token_ids:
             self.eos_token_id = self.model_config.eos_token_ids[0]
@@ -134,6 +145,8 @@ class LLMEngine:
                 child.prompt_logprobs = [None] * len(token_ids)
             parent.children.append(child)
             self._children[child_id] = (parent, child)
+            if needs_host_state(req):
+                self._host_state[child_id] = req
         self._parents[request_id] = parent
         for child in parent.children:
             self.scheduler.add_request(child.request)
@@ -160,17 +173,43 @@ class LLMEngine:
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
             for cid in ids:
                 self._children.pop(cid, None)
+                self._host_state.pop(cid, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents)
+        """True while a request is unfinished or a step is in flight (`step()` drains it)."""
+        return bool(self._parents) or self._in_flight is not None
 
     # -- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        sched_out = self.scheduler.schedule()
-        if not sched_out.scheduled:
-            return []
-        step_out = self.executor.execute_model(sched_out)
+        if not self.async_scheduling:
+            sched_out = self.scheduler.schedule()
+            if not sched_out.scheduled:
+                return []
+            return self._process_step(sched_out, self.executor.execute_model(sched_out))
+        outputs = []
+        if self._in_flight is not None and self._must_sync():
+            outputs = self._process_in_flight()  # N's tokens first: N+1's sampling reads them
+        sched_out = self.scheduler.schedule()  # (N+1)
+        launched = None
+        if sched_out.scheduled:
+            launched = (sched_out, self.executor.execute_model_async(sched_out))
+        if self._in_flight is not None:
+            outputs = self._process_in_flight()  # N, while N+1 runs
+        self._in_flight = launched
+        return outputs
+
+    def _must_sync(self) -> bool:
+        """A request with a token in flight whose next sample needs that token on the host."""
+        return any(r.num_output_placeholders and needs_host_state(r) for r in self._host_state.values())
+
+    def _process_in_flight(self) -> list[RequestOutput]:
+        sched_out, launched = self._in_flight
+        self._in_flight = None
+        return self._process_step(sched_out, launched.get())
+
+    def _process_step(self, sched_out: SchedulerOutput, step_out) -> list[RequestOutput]:
+        """Step N's output -> scheduler update, logprobs, detokenized text, RequestOutputs."""
         sampled_reqs, sampler_out = step_out.sampled, step_out.sampler_output
         tokens = {} if sampler_out is None else {
             r.request_id: t for r, t in zip(sampled_reqs, sampler_out.token_ids)}
@@ -185,10 +224,11 @@ class LLMEngine:
                 parent.prompt_counted = True
                 self.num_prompt_tokens_total += len(parent.prompt_token_ids)
         updated = self.scheduler.update_from_output(sched_out, tokens)
-        self.num_generation_tokens_total += len(tokens)
+        self.num_generation_tokens_total += len(updated)
         if sampler_out is not None:
+            got_token = {id(r) for r in updated}  # not the dropped tokens of finished requests
             for req, lp in zip(sampled_reqs, sampler_out.logprobs):
-                if lp is not None and req.request_id in self._children:
+                if lp is not None and id(req) in got_token and req.request_id in self._children:
                     self._record_logprobs(self._children[req.request_id][1], lp)
         touched: dict[str, _Parent] = {}
         for req in updated:
@@ -238,6 +278,7 @@ class LLMEngine:
             self._parents.pop(parent.request_id, None)
             for c in parent.children:
                 self._children.pop(c.request.request_id, None)
+                self._host_state.pop(c.request.request_id, None)
         first = parent.children[0]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
                              first.prompt_logprobs, outs, finished, first.request.num_cached_tokens)

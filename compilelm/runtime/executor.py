@@ -17,6 +17,7 @@ import weakref
 
 from compilelm.config import EngineConfig
 from compilelm.distributed.parallel_state import destroy_distributed
+from compilelm.runtime.async_step import AsyncStepOutput
 from compilelm.runtime.model_runner import StepOutput
 from compilelm.runtime.scheduler import SchedulerOutput
 from compilelm.runtime.worker import Worker, worker_main
@@ -121,6 +122,12 @@ class Executor:
         finally:
             self._check_failures()
         return runner.make_output(sched, step, logits)
+
+    def execute_model_async(self, sched: SchedulerOutput) -> AsyncStepOutput:
+        """Launches the step without waiting for its tokens (async scheduling: one rank only)."""
+        if self.conns:
+            raise RuntimeError("async scheduling needs tensor_parallel_size == 1")
+        return self.driver.model_runner.execute_model_async(sched)
 
     def shutdown(self) -> None:
         self._finalizer()

@@ -8,6 +8,10 @@ A step has three parts, so that tensor-parallel ranks can share the middle one:
 `prepare_step` (driver: the plan as host arrays, `StepInputs`), `run_step` (every rank: forward
 and the logits of the rows that need them; under TP the forward's all-reduces and the LM head's
 all-gather are collectives), `make_output` (driver: sampling and prompt logprobs).
+
+With async scheduling (`execute_model_async`, one rank) a step is launched before the previous
+step's sampled tokens reach the host: the rows that decode such a pending token take their input
+id from the previous step's sampled-token tensor on the device (`StepInputs.pending_rows`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from compilelm.distributed.parallel_state import get_tp_size, kv_heads_per_rank
 from compilelm.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from compilelm.runtime.cuda_graphs import CudaGraphDispatcher, CUDAGraphRunner, HostBatch, InputBuffers, graph_sizes
 from compilelm.runtime.piecewise_graphs import PiecewiseGraphs
+from compilelm.runtime.async_step import AsyncStepOutput
 from compilelm.runtime.sampler import Sampler, SamplerOutput, gather_logprobs
 from compilelm.runtime.scheduler import SchedulerOutput
 
@@ -45,6 +50,10 @@ class StepInputs:
     graph_mode: str  # "full" (a decode graph), "piecewise" (piece graphs, attention eager) or "none"
     graph_size: int | None  # the padded token count of the graph(s) to replay, else None
     num_sampled: int
+    # Rows whose input id is the previous step's sampled token, still on the device (async
+    # scheduling): input_ids[pending_rows[i]] = previous sampled[pending_src[i]].
+    pending_rows: np.ndarray | None = None  # int64 [num_pending]
+    pending_src: np.ndarray | None = None  # int64 [num_pending]
 
 
 @dataclass
@@ -69,6 +78,9 @@ class ModelRunner:
                                  torch.zeros(shape, dtype=dtype, device=device))
                           for name in model.attention_layer_names()}
         self.sampler = Sampler()
+        # The last async step's sampled ids (int64 [num_sampled], on the device) and each sampled
+        # request's row in them: where the next step's pending rows read their input ids.
+        self.last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self.compiled = None  # the CompiledModel (-O1 and up): its pieces are what piecewise graphs capture
         self.forward_fn = self._build_forward(config)
         # On CUDA, step inputs go through static buffers (pinned host -> device, no sync), which
@@ -167,12 +179,18 @@ class ModelRunner:
         """The plan as flat host arrays: every scheduled token of every request, and the rows whose
         logits are needed (the last row of each sampled request, then prompt-logprob rows)."""
         ids, pos, slots, cu, seq_lens, sample_idx, prompt_rows, tables = [], [], [], [0], [], [], [], []
+        pending_rows, pending_src = [], []
         bs = self.block_size
         for sr in sched.scheduled:
             start, n = sr.num_computed_tokens, sr.num_new_tokens
             p = np.arange(start, start + n, dtype=np.int64)
             blocks = np.asarray(sr.block_ids, dtype=np.int64)
-            ids.append(np.asarray(sr.request.all_token_ids[start:start + n], dtype=np.int64))
+            known = sr.request.all_token_ids[start:start + n]
+            if len(known) < n:  # the last row decodes the token still on the device
+                pending_rows.append(cu[-1] + n - 1)
+                pending_src.append(self._pending_source(sr.request, start + n - 1))
+                known = known + [0]
+            ids.append(np.asarray(known, dtype=np.int64))
             pos.append(p)
             slots.append(blocks[p // bs] * bs + p % bs)
             prompt_rows.append(cu[-1] + np.arange(self._num_prompt_logprob_rows(sr), dtype=np.int64))
@@ -190,7 +208,19 @@ class ModelRunner:
                           np.asarray(cu, dtype=np.int32), np.asarray(seq_lens, dtype=np.int32), block_tables,
                           logits_idx, max(sr.num_new_tokens for sr in sched.scheduled))
         graph_mode, graph_size = self.dispatcher.dispatch(len(batch.input_ids), len(sched.scheduled))
-        return StepInputs(batch, graph_mode, graph_size, len(sample_idx))
+        step = StepInputs(batch, graph_mode, graph_size, len(sample_idx))
+        if pending_rows:
+            step.pending_rows = np.asarray(pending_rows, dtype=np.int64)
+            step.pending_src = np.asarray(pending_src, dtype=np.int64)
+        return step
+
+    def _pending_source(self, request, position: int) -> int:
+        """The row of `request`'s pending token (at `position`) in the last async step's output."""
+        row = None if self.last_sampled is None else self.last_sampled[1].get(request.request_id)
+        if position != request.num_tokens or request.num_output_placeholders < 1 or row is None:
+            raise RuntimeError(f"request {request.request_id!r}: token {position} is neither known nor "
+                               "pending from the previous step")
+        return row
 
     @staticmethod
     def _num_prompt_logprob_rows(sr) -> int:
@@ -237,6 +267,10 @@ class ModelRunner:
         piece graphs of its padded size with attention eager between them, or eagerly."""
         b = step.batch
         input_ids, positions, meta, logits_idx = self.prepare_inputs(b, step.graph_mode, step.graph_size)
+        if step.pending_rows is not None:
+            # after the host -> device copy, before the forward or graph replay reads input_ids
+            # (for graphs, a static buffer): stream-ordered after the previous step's sampler
+            self._scatter_pending(input_ids, step)
         if step.graph_mode == "full":
             hidden = self.cuda_graphs.replay(step.graph_size)  # [graph_size, hidden]
         else:
@@ -248,6 +282,44 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[logits_idx])
 
+    def _scatter_pending(self, input_ids: torch.Tensor, step: StepInputs) -> None:
+        # input_ids: int64 [>= num_tokens]; last sampled: int64 [num_sampled of the previous step]
+        sampled = self.last_sampled[0]
+        as_index = (lambda a: torch.from_numpy(a).pin_memory().to(self.device, non_blocking=True)
+                    if self.device.type == "cuda" else torch.from_numpy(a))
+        rows, src = as_index(step.pending_rows), as_index(step.pending_src)
+        input_ids.index_copy_(0, rows, sampled.index_select(0, src))
+
+    @torch.inference_mode()
+    def execute_model_async(self, sched: SchedulerOutput) -> AsyncStepOutput:
+        """Launches one step (tensor_parallel_size 1) and returns before its sampled tokens reach
+        the host: they are copied to pinned memory behind the step, and `AsyncStepOutput.get()`
+        waits for them. Prompt logprobs (rare) are still gathered synchronously."""
+        step = self.prepare_step(sched)
+        logits = self.run_step(step)
+        out = StepOutput([], None, {})
+        if logits is None:
+            self.last_sampled = None
+            return AsyncStepOutput(out)
+        out.prompt_logprobs = self._prompt_logprobs(sched, logits[step.num_sampled:])
+        out.sampled = [sr.request for sr in sched.scheduled if sr.do_sample]
+        if not out.sampled:
+            self.last_sampled = None
+            return AsyncStepOutput(out)
+        sampled = self.sampler.sample_tensors(self._apply_logits_processors(logits[:step.num_sampled], out.sampled),
+                                              out.sampled)
+        self.last_sampled = (sampled.token_ids, {r.request_id: i for i, r in enumerate(out.sampled)})
+        return AsyncStepOutput(out, sampled)
+
+    @staticmethod
+    def _apply_logits_processors(logits: torch.Tensor, requests: list) -> torch.Tensor:
+        """User functions of (output token ids, logits row) -> row; the engine runs their steps
+        synchronously, so output_token_ids is up to date."""
+        for i, req in enumerate(requests):
+            for fn in req.sampling_params.logits_processors:
+                logits[i] = fn(req.output_token_ids, logits[i])
+        return logits
+
     @torch.inference_mode()
     def make_output(self, sched: SchedulerOutput, step: StepInputs, logits: torch.Tensor | None) -> StepOutput:
         """Samples the requests that need a token; gathers the prompt logprobs asked for."""
@@ -257,10 +329,7 @@ class ModelRunner:
         out.prompt_logprobs = self._prompt_logprobs(sched, logits[step.num_sampled:])
         out.sampled = [sr.request for sr in sched.scheduled if sr.do_sample]
         if out.sampled:
-            logits = logits[:step.num_sampled]
-            for i, req in enumerate(out.sampled):
-                for fn in req.sampling_params.logits_processors:
-                    logits[i] = fn(req.output_token_ids, logits[i])
+            logits = self._apply_logits_processors(logits[:step.num_sampled], out.sampled)
             out.sampler_output = self.sampler(logits, out.sampled)
         return out
 

@@ -1,7 +1,7 @@
 """One generation request as the scheduler sees it: tokens so far, progress, and status.
 
 `all_token_ids` (prompt + outputs) is what the KV cache must hold; `num_computed_tokens` is how
-many of them already are. A preempted request drops its cache and recomputes all of them.
+many of them already are (or are being computed by a step in flight). A preempted request drops its cache and recomputes all of them.
 """
 
 from __future__ import annotations
@@ -51,7 +51,10 @@ class Request:
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
-        self.num_computed_tokens = 0
+        self.num_computed_tokens = 0  # advanced when scheduled: includes the tokens of steps in flight
+        # Sampled tokens still on the device (async scheduling: 0 or 1 between steps). The pending
+        # token sits at position num_tokens; it is never in all_token_ids, so never hashed.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = 0  # prefix-cache hit when first scheduled
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

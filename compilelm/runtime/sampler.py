@@ -2,9 +2,11 @@
 
 Order (vLLM's): logprobs from the raw logits -> min_tokens mask -> penalties -> greedy argmax, or
 temperature -> top-k -> top-p -> min-p -> exponential-race sample. Per-row parameters become
-tensors once per call, so every step is a handful of batched kernels; the host waits for the
-device only in the `.tolist()` calls at the very end. A request with a seed draws its noise from its own generator, so its tokens
-do not depend on what else is in the batch.
+tensors once per call (pinned host -> device, non-blocking: launching the sampler never waits for
+the GPU), so every step is a handful of batched kernels. `sample_tensors` leaves the result on the
+device (async scheduling copies it to the host later); `__call__` also brings it to the host,
+where the `.tolist()` calls are the only waits. A request with a seed draws its noise from its own
+generator, so its tokens do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -33,37 +35,70 @@ class SamplerOutput:
     logprobs: list[LogprobsLists | None]  # None where the request asked for none
 
 
+@dataclass
+class SampledTensors:
+    """A sampler result before it reaches the host (device tensors, or their pinned host copies)."""
+
+    token_ids: torch.Tensor  # int64 [num_reqs]
+    lp_rows: list[int]  # the rows that asked for logprobs
+    num_logprobs: list[int]  # [len(lp_rows)]
+    lp_token_ids: torch.Tensor | None = None  # int64 [len(lp_rows), 1 + max num_logprobs]
+    lp_values: torch.Tensor | None = None  # fp32, same shape
+    lp_ranks: torch.Tensor | None = None  # int64 [len(lp_rows)]
+
+    def to_host_async(self) -> SampledTensors:
+        """Pinned host copies of device tensors, queued without waiting (valid once the stream
+        reaches them: record an event after this); tensors already on the CPU are kept."""
+        def move(t):
+            if t is None or t.device.type == "cpu":
+                return t
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+        return SampledTensors(move(self.token_ids), self.lp_rows, self.num_logprobs, move(self.lp_token_ids),
+                              move(self.lp_values), move(self.lp_ranks))
+
+    def to_output(self) -> SamplerOutput:
+        """Host lists (waits for the device if the tensors are still there)."""
+        logprobs: list[LogprobsLists | None] = [None] * len(self.token_ids)
+        if self.lp_rows:
+            lists = logprobs_lists(self.lp_token_ids, self.lp_values, self.lp_ranks, self.num_logprobs)
+            for i, entry in zip(self.lp_rows, lists):
+                logprobs[i] = entry
+        return SamplerOutput(token_ids=self.token_ids.tolist(), logprobs=logprobs)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        return self.sample_tensors(logits, requests).to_output()
+
+    def sample_tensors(self, logits: torch.Tensor, requests: list[Request]) -> SampledTensors:
         # logits: fp32 [num_reqs, vocab]
         params = [r.sampling_params for r in requests]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
+        raw_logprobs = None
+        if lp_rows:
+            raw_logprobs = torch.log_softmax(logits.index_select(0, _index(lp_rows, logits)), dim=-1)
 
         logits = apply_min_tokens(logits, requests)
         pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
         if pen_rows:
-            pen = [params[i] for i in pen_rows]
+            pen, pen_index = [params[i] for i in pen_rows], _index(pen_rows, logits)
             penalized = apply_penalties(
-                logits[pen_rows],
+                logits.index_select(0, pen_index),
                 [requests[i].prompt_token_ids for i in pen_rows],
                 [requests[i].output_token_ids for i in pen_rows],
                 _row_tensor([p.presence_penalty for p in pen], logits),
                 _row_tensor([p.frequency_penalty for p in pen], logits),
                 _row_tensor([p.repetition_penalty for p in pen], logits),
             )
-            logits = logits.index_put((_index(pen_rows, logits),), penalized)
+            logits = logits.index_put((pen_index,), penalized)
 
         sampled = sample(logits, requests)  # int64 [num_reqs]
 
-        logprobs: list[LogprobsLists | None] = [None] * len(requests)
+        out = SampledTensors(sampled, lp_rows, [params[i].logprobs for i in lp_rows])
         if lp_rows:
-            per_row = gather_logprobs(
-                raw_logprobs, sampled[lp_rows], [params[i].logprobs for i in lp_rows]
-            )
-            for i, lists in zip(lp_rows, per_row):
-                logprobs[i] = lists
-        return SamplerOutput(token_ids=sampled.tolist(), logprobs=logprobs)
+            out.lp_token_ids, out.lp_values, out.lp_ranks = gather_logprobs_tensors(
+                raw_logprobs, sampled.index_select(0, _index(lp_rows, sampled)), max(out.num_logprobs))
+        return out
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -107,8 +142,10 @@ def exponential_noise(
         noise.exponential_()
     for i, g in enumerate(generators):
         if g is not None:
-            row = torch.empty(probs.shape[-1], dtype=probs.dtype, device=g.device)
-            noise[i] = row.exponential_(generator=g).to(probs.device)
+            row = torch.empty(probs.shape[-1], dtype=probs.dtype, device=g.device).exponential_(generator=g)
+            if row.device != probs.device and probs.is_cuda:
+                row = row.pin_memory()  # a non-blocking copy: the host does not wait for the GPU
+            noise[i].copy_(row, non_blocking=True)
     return noise
 
 
@@ -153,7 +190,7 @@ def apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
     if not rows:
         return logits
     index = (_index(rows, logits), _index(cols, logits))
-    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+    return logits.index_put(index, torch.full((), float("-inf"), device=logits.device))
 
 
 def apply_penalties(
@@ -184,12 +221,26 @@ def gather_logprobs(
     Rank counts tokens at least as likely, so ties share the worse rank (as in vLLM).
     """
     # logprobs: fp32 [n, vocab] (log_softmax); token_ids: int64 [n]
+    ids, values, ranks = gather_logprobs_tensors(logprobs, token_ids, max(num_logprobs, default=0))
+    return logprobs_lists(ids, values, ranks, num_logprobs)
+
+
+def gather_logprobs_tensors(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, max_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`gather_logprobs` on the device: ids int64 [n, 1 + max_k], values fp32 [n, 1 + max_k]
+    (the given token, then the top max_k), ranks int64 [n] of the given token."""
     token_logprobs = logprobs.gather(1, token_ids.unsqueeze(1))  # [n, 1]
     ranks = (logprobs >= token_logprobs).sum(dim=-1)  # [n]
-    top = logprobs.topk(max(num_logprobs, default=0), dim=-1)  # [n, max_k]
-    ids = torch.cat([token_ids.unsqueeze(1), top.indices], dim=1).tolist()
-    values = torch.cat([token_logprobs, top.values], dim=1).tolist()
-    ranks = ranks.tolist()
+    top = logprobs.topk(max_k, dim=-1)  # [n, max_k]
+    return (torch.cat([token_ids.unsqueeze(1), top.indices], dim=1),
+            torch.cat([token_logprobs, top.values], dim=1), ranks)
+
+
+def logprobs_lists(ids: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor,
+                   num_logprobs: list[int]) -> list[LogprobsLists]:
+    """Row i keeps its first 1 + num_logprobs[i] entries."""
+    ids, values, ranks = ids.tolist(), values.tolist(), ranks.tolist()
     return [
         LogprobsLists(ids[i][: k + 1], values[i][: k + 1], [ranks[i], *range(1, k + 1)])
         for i, k in enumerate(num_logprobs)
@@ -202,14 +253,18 @@ def _token_counts(token_ids: list[list[int]], n: int, vocab: int, device) -> tor
     cols = [t for ids in token_ids for t in ids]
     counts = torch.zeros(n, vocab, dtype=torch.float32, device=device)
     if cols:
-        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        index = (_index(rows, counts), _index(cols, counts))
         counts.index_put_(index, torch.ones(len(cols), device=device), accumulate=True)
     return counts
 
 
 def _row_tensor(values: list, like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=like.device)
+    """A host list on `like`'s device; to a GPU through pinned memory without waiting for it
+    (a plain `torch.tensor(..., device='cuda')` synchronizes the stream)."""
+    if like.device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(like.device, non_blocking=True)
 
 
 def _index(values: list[int], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=like.device)
+    return _row_tensor(values, like, torch.int64)

@@ -5,6 +5,13 @@ order: a decode takes one token, an unfinished prefill its next chunk. When the 
 room, the latest-arrived running request is preempted (its blocks freed, to be recomputed
 later) until the allocation fits. Then waiting requests are admitted first come, first served,
 their prompts chunked to the budget that is left. There is no separate prefill or decode phase.
+
+`schedule()` advances each request's `num_computed_tokens` at once, so the next step can be
+scheduled before this one's output is back (async scheduling, runtime/async_step.py): a request
+whose sampled token is still on the device has a placeholder (`num_output_placeholders`) and is
+scheduled as a decode of that token; `update_from_output` later turns the placeholder into the
+real token. Without async scheduling every update comes before the next schedule and no
+placeholder is ever pending when scheduling.
 """
 
 from __future__ import annotations
@@ -79,7 +86,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_output_placeholders and self._will_finish_by_length(request):
+                i += 1  # its last token is in flight: nothing left to run
+                continue
+            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
+                          budget)
             while self.kv_cache_manager.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -96,6 +107,8 @@ class Scheduler:
         max_num_seqs = self.config.max_num_seqs
         while self.waiting and not preempted and budget > 0 and len(self.running) < max_num_seqs:
             request = self.waiting[0]
+            if request.num_output_placeholders:  # preempted with a token in flight: wait for it
+                break
             computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
             if num_new > budget:
@@ -116,16 +129,17 @@ class Scheduler:
         return SchedulerOutput(scheduled, [r.request_id for r in preempted])
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance progress by what ran, append the sampled tokens, finish stopped requests.
+        """Append the sampled tokens (progress advanced in `schedule()`), finish stopped requests.
         Returns the requests that got a new token this step (finished ones included)."""
         got_token = []
         for s in output.scheduled:
             request = s.request
-            if request.is_finished:  # aborted between schedule() and now
-                continue
-            request.num_computed_tokens += s.num_new_tokens
             if not s.do_sample:
                 continue
+            request.num_output_placeholders -= 1
+            if request.is_finished:  # aborted or stopped after this step was scheduled: discarded
+                continue
+            # (a request preempted after this step was scheduled still gets its token)
             request.append_output_token(sampled[request.request_id])
             got_token.append(request)
             status = self._check_stop(request)
@@ -133,6 +147,7 @@ class Scheduler:
                 self._finish(request, status)
         if any(r.is_finished for r in got_token):
             self.running = [r for r in self.running if not r.is_finished]
+            self.waiting = deque(r for r in self.waiting if not r.is_finished)
         return got_token
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
@@ -152,13 +167,25 @@ class Scheduler:
             self._finish(request, status)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        """The plan entry; the request's progress advances now (its tokens are in flight)."""
+        start = request.num_computed_tokens
+        do_sample = start + num_new == request.num_tokens + request.num_output_placeholders
+        request.num_computed_tokens += num_new
+        if do_sample:
+            request.num_output_placeholders += 1
         return ScheduledRequest(
             request=request,
             num_new_tokens=num_new,
-            num_computed_tokens=request.num_computed_tokens,
+            num_computed_tokens=start,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-            do_sample=request.num_computed_tokens + num_new == request.num_tokens,
+            do_sample=do_sample,
         )
+
+    def _will_finish_by_length(self, request: Request) -> bool:
+        """The tokens in flight reach max_tokens or max_model_len: the request stops there."""
+        params, pending = request.sampling_params, request.num_output_placeholders
+        return ((params.max_tokens is not None and request.num_output_tokens + pending >= params.max_tokens)
+                or request.num_tokens + pending >= self.config.max_model_len)
 
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute: drop the cache, go back to the front of the queue."""
