@@ -27,9 +27,9 @@ from torch import nn
 
 from compilelm.distributed.parallel_state import get_tp_size, kv_heads_per_rank
 from compilelm.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from compilelm.runtime.async_step import AsyncStepOutput
 from compilelm.runtime.cuda_graphs import CudaGraphDispatcher, CUDAGraphRunner, HostBatch, InputBuffers, graph_sizes
 from compilelm.runtime.piecewise_graphs import PiecewiseGraphs
-from compilelm.runtime.async_step import AsyncStepOutput
 from compilelm.runtime.sampler import Sampler, SamplerOutput, gather_logprobs
 from compilelm.runtime.scheduler import SchedulerOutput
 
@@ -306,8 +306,8 @@ class ModelRunner:
         if not out.sampled:
             self.last_sampled = None
             return AsyncStepOutput(out)
-        sampled = self.sampler.sample_tensors(self._apply_logits_processors(logits[:step.num_sampled], out.sampled),
-                                              out.sampled)
+        logits = self._apply_logits_processors(logits[:step.num_sampled], out.sampled)
+        sampled = self.sampler.sample_tensors(logits, out.sampled)
         self.last_sampled = (sampled.token_ids, {r.request_id: i for i, r in enumerate(out.sampled)})
         return AsyncStepOutput(out, sampled)
 
