@@ -15,7 +15,8 @@ Prints a table and writes JSON (default benchmarks/results/bench_compile.json). 
 GPU mode (`--device cuda`, the default where CUDA is available): for each model, process start ->
 engine ready (`LLM(...)` returned: weights, compile, KV cache, CUDA graphs captured), cold and warm,
 each in a fresh process. Cold = an empty compile cache dir AND an empty Inductor/Triton cache
-(fresh TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR); warm = a second process with the same dirs.
+(fresh TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR) and an empty Python bytecode cache
+(PYTHONPYCACHEPREFIX); warm = a second process with the same dirs.
 Split into: imports (interpreter start, torch, compilelm), weights, Dynamo, passes/lowering
 (AOT + whole-graph passes + split + post-grad passes), Inductor, cache load (warm), CUDA-graph
 capture (+ the KV cache allocation: the ModelRunner's setup minus its compile), other (tokenizer,
@@ -147,8 +148,14 @@ def gpu_startup(model: str, max_model_len: int | None) -> dict:
     """Cold then warm engine startup of `model`, each a fresh process on the same fresh dirs."""
     out = {}
     with tempfile.TemporaryDirectory(prefix="compilelm-bench-") as cache_dir:
+        # Python's bytecode cache is one of the caches: the GPU machine runs with
+        # PYTHONDONTWRITEBYTECODE and no .pyc files in site-packages, so every process would
+        # recompile the sources of torch._dynamo/_inductor/... (~5-9 s; a pip-installed machine
+        # has them). Here the cold start writes them under the fresh dir, the warm one reads them.
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"),
-                   TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"))
+                   TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"),
+                   PYTHONPYCACHEPREFIX=os.path.join(cache_dir, "pycache"))
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
         for run in ("cold", "warm"):
             started = time.time()
             print(f"{model} {run}: starting", flush=True)
