@@ -247,3 +247,19 @@ def test_scheduler_lag_matches_sync(case):
     assert outs[0] == outs[1]
     if case == "stop":
         assert outs[1][-2][0] == [147, 110] and outs[1][-1][0][:2] == [147, 110]
+
+
+def test_config_flag_and_tensor_parallel():
+    import argparse
+
+    from compilelm.entrypoints.engine_args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for flags, expected in (([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)):
+        config = engine_config_from_args(parser.parse_args(["dummy:smollm2-135m", *flags]))
+        assert (config.scheduler.async_scheduling if config.scheduler else None) is expected
+    # CPU: off unless asked for
+    assert LLM("dummy:smollm2-135m", **dict(TINY, max_num_batched_tokens=64)).engine.async_scheduling is False
+    with pytest.raises(ValueError, match="async_scheduling"):
+        LLM("dummy:smollm2-135m", tensor_parallel_size=3, **dict(TINY, async_scheduling=True))
