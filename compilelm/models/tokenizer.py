@@ -4,6 +4,11 @@ special tokens and chat template) through transformers' GGUF converter.
 Converting a GGUF vocabulary takes seconds, so the converted tokenizer is kept under
 `~/.cache/compilelm/tokenizers/` (or `$XDG_CACHE_HOME/compilelm/...`), keyed by the file's name,
 size and modification time, and later starts load it directly.
+
+Any directory with tokenizer.json (that cache, most Hugging Face models) loads as a
+`FastTokenizer` without importing transformers, which alone costs seconds per start;
+transformers is imported only to convert a GGUF vocabulary once and for directories without
+tokenizer.json (sentencepiece or tiktoken files need its converters).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import os
 import shutil
 import tempfile
 
+from compilelm.models.fast_tokenizer import FastTokenizer
 from compilelm.models.loader import ModelSource, default_model_path
 
 
@@ -21,15 +27,21 @@ def _cache_root() -> str:
     return os.path.join(base, "compilelm", "tokenizers")
 
 
-def _gguf_tokenizer(path: str):
+def _auto_tokenizer():
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.set_verbosity_error()
+    return AutoTokenizer
+
+
+def _gguf_tokenizer(path: str):
     st = os.stat(path)
     key = hashlib.sha256(f"{os.path.basename(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     cached = os.path.join(_cache_root(), key)
     if os.path.isfile(os.path.join(cached, "tokenizer.json")):
-        return AutoTokenizer.from_pretrained(cached)
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        return FastTokenizer(cached)
+    tok = _auto_tokenizer().from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     try:  # write to a temp dir, then rename: concurrent starts never see a half-written cache
         os.makedirs(_cache_root(), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=_cache_root())
@@ -40,7 +52,8 @@ def _gguf_tokenizer(path: str):
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError:
         pass  # a read-only home only costs the conversion next time
-    return tok
+    # the same class on the first start as on later ones
+    return FastTokenizer(cached) if os.path.isfile(os.path.join(cached, "tokenizer.json")) else tok
 
 
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -66,14 +79,12 @@ class IdTokenizer:
 
 
 def load_tokenizer(source: ModelSource):
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
     if source.kind == "hf":
+        if os.path.isfile(os.path.join(source.path, "tokenizer.json")):
+            return FastTokenizer(source.path)
         if not any(os.path.isfile(os.path.join(source.path, f)) for f in _HF_TOKENIZER_FILES):
             return IdTokenizer()
-        return AutoTokenizer.from_pretrained(source.path)
+        return _auto_tokenizer().from_pretrained(source.path)
     if source.kind == "gguf":
         return _gguf_tokenizer(source.path)
     # dummy models use the default model's tokenizer: ids beyond its vocab decode to nothing
