@@ -228,7 +228,8 @@ STYLES = {
 
 @pytest.fixture(scope="module", params=sorted(STYLES))
 def built_pair(request, tmp_path_factory):
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import processors, trainers
 
     style = STYLES[request.param]
     tok = Tokenizer(models.BPE())
