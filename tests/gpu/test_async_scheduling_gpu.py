@@ -25,7 +25,7 @@ def prompts():
 def run(async_scheduling: bool, cache_dir, params_fn):
     llm = LLM("dummy:smollm2-135m", model_overrides={"num_hidden_layers": 2}, dtype="float32", device="cuda",
               max_model_len=512, max_num_seqs=16, max_num_batched_tokens=64, async_scheduling=async_scheduling,
-              compilation_config={"cache_dir": str(cache_dir), "cudagraph_capture_sizes": [1, 2, 4, 8, 16]})
+              compilation_config={"cache_dir": str(cache_dir), "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]})
     runner = llm.engine.model_runner
     assert llm.engine.async_scheduling is async_scheduling
     steps = []  # (graph mode, has pending rows)

@@ -247,13 +247,17 @@ def test_fp8_model_same_tokens_with_and_without_fusions(shape, tmp_path):
     (as eager torch and the CPU implementation do). A one-step bf16 difference moves ~1/32 of the
     fp8 codes it touches, and these random 4-layer models then pick other greedy tokens: measured
     on CPU too, where the fused ops are the eager compositions themselves. The bf16 kernels are
-    checked op by op above."""
+    checked op by op above.
+
+    A sequence may still part at a near-tie (seen once on the Qwen3 shape: the fused QK-norm rounds
+    its rsqrt differently from Inductor's): there the two runs' tokens must be each other's
+    runner-up within 0.05 nats, and both runs must agree up to that point."""
     dtype = "float32"
     from tests.gpu.test_engine_gpu import build_hf_model, prompts
 
     build_hf_model(shape, tmp_path / "model")
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    tokens, matches = {}, {}
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
+    tokens, logprobs, matches = {}, {}, {}
     for fuse in (True, False):
         dump = str(tmp_path / f"dump_{fuse}")
         llm = LLM(str(tmp_path / "model"), dtype=dtype, quantization="fp8", device="cuda", max_model_len=256,
@@ -261,14 +265,25 @@ def test_fp8_model_same_tokens_with_and_without_fusions(shape, tmp_path):
                   compilation_config={"use_cache": False, "dump_dir": dump, "cudagraph_capture_sizes": [1, 2, 4, 8],
                                       "passes": {"fuse_norm_quant": fuse, "fuse_act_quant": fuse,
                                                  "fuse_rope_attention": fuse}})
-        tokens[fuse] = [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
+        outs = [o.outputs[0] for o in llm.generate(prompts(), params, use_tqdm=False)]
+        tokens[fuse], logprobs[fuse] = [o.token_ids for o in outs], [o.logprobs for o in outs]
         matches[fuse] = pass_matches(dump)
         del llm
         gc.collect()
         torch.cuda.empty_cache()
     assert all(matches[True].get(name, 0) > 0 for name in FUSIONS), matches[True]
     assert not any(matches[False].get(name, 0) for name in FUSIONS), matches[False]
-    assert tokens[True] == tokens[False]
+    parted = 0
+    for seq, (fused, plain) in enumerate(zip(tokens[True], tokens[False])):
+        i = next((i for i, (a, b) in enumerate(zip(fused, plain)) if a != b), None)
+        if i is None:
+            continue
+        parted += 1
+        for run, (mine, other) in ((True, (fused[i], plain[i])), (False, (plain[i], fused[i]))):
+            top = logprobs[run][seq][i]  # token id -> Logprob, the top 5 and the sampled one
+            assert other in top, f"seq {seq} step {i}: {other} is not among the top 5 of the fuse={run} run"
+            assert top[mine].logprob - top[other].logprob < 0.05, (seq, i, top[mine], top[other])
+    assert parted <= 1, f"{parted} of {len(tokens[True])} sequences parted"
 
 
 # -- timing table (script) ---------------------------------------------------------------------
