@@ -79,12 +79,27 @@ class CompilePass(CustomGraphPass):
 
 
 class FusionPass(CompilePass):
-    """A pass made of `pattern_<what>` / `replace_<what>` pairs (see the module docstring)."""
+    """A pass made of `pattern_<what>` / `replace_<what>` pairs (see the module docstring).
+
+    `register()` runs on first use of `patterns`, not at construction: tracing a pattern costs
+    ~50 ms (make_fx of the pattern and of its replacement, per dtype), and most passes never see
+    a graph they apply to (FP8 fusions on a bf16 model, the all-reduce fusion at TP 1, every
+    pass on a warm start that loads its pieces from the compile cache)."""
 
     def __init__(self, config: PassConfig | None = None):
         super().__init__(config)
-        self.patterns = pm.PatternMatcherPass(pass_name=self.name)
-        self.register()
+        self._patterns: pm.PatternMatcherPass | None = None
+
+    @property
+    def patterns(self) -> pm.PatternMatcherPass:
+        if self._patterns is None:
+            self._patterns = pm.PatternMatcherPass(pass_name=self.name)
+            self.register()
+        return self._patterns
+
+    @patterns.setter
+    def patterns(self, value: pm.PatternMatcherPass) -> None:
+        self._patterns = value
 
     def register(self) -> None:
         raise NotImplementedError
