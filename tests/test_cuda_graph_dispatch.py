@@ -10,7 +10,7 @@ from compilelm import LLM, SamplingParams
 from compilelm.graphs.config import CompileConfig
 from compilelm.models.config import dummy_config
 from compilelm.runtime.cuda_graphs import CudaGraphDispatcher, default_capture_sizes, graph_sizes
-from compilelm.runtime.model_runner import FULL_GRAPH_BYTES, PIECE_GRAPH_BYTES, ModelRunner
+from compilelm.runtime.memory import FULL_GRAPH_BYTES, PIECE_GRAPH_BYTES, activation_bytes_per_token, cuda_memory_reserve
 
 
 def test_default_capture_sizes():
@@ -71,9 +71,9 @@ def test_memory_reserve_counts_piecewise_graphs():
     def reserve(mode):
         config = make_engine_config("dummy:smollm2-135m", max_model_len=256, max_num_seqs=16,
                                     max_num_batched_tokens=64, compilation_config={"cudagraph_mode": mode})
-        return ModelRunner.cuda_memory_reserve(mc, config, torch.bfloat16)
+        return cuda_memory_reserve(mc, config, torch.bfloat16)
 
-    act = ModelRunner._activation_bytes_per_token(mc, torch.bfloat16)
+    act = activation_bytes_per_token(mc, torch.bfloat16)
     sizes = graph_sizes(CompileConfig(), 16, 64)[1]
     attn_copies = 64 * mc.num_hidden_layers * mc.num_attention_heads * mc.head_dim * 2
     assert reserve("full_and_piecewise") - reserve("full") == (

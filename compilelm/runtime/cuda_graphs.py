@@ -20,7 +20,7 @@ Both are captured largest first into ONE memory pool (piecewise first), so the s
 reuse the largest one's activation memory.
 
 Memory: graphs hold the KV cache's addresses, so they are captured after the cache exists. The
-engine sizes the cache leaving `ModelRunner.cuda_memory_reserve` free (an estimate of eager
+engine sizes the cache leaving `memory.cuda_memory_reserve` free (an estimate of eager
 activations + the graphs + logits); measured and estimated sizes are logged after capture.
 On an H100, smollm2-135m -O2: piecewise graphs of 1..512 tokens (31 pieces x 51 sizes) in 2.0 s
 and 438 MiB, then full graphs of 1..64 in 0.2 s and 12 MiB more (the pool is reused). A mixed

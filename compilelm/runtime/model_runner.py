@@ -28,19 +28,13 @@ from torch import nn
 from compilelm.distributed.parallel_state import get_tp_size, kv_heads_per_rank
 from compilelm.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from compilelm.runtime.async_step import AsyncStepOutput
-from compilelm.runtime.cuda_graphs import CudaGraphDispatcher, CUDAGraphRunner, HostBatch, InputBuffers, graph_sizes
+from compilelm.runtime.cuda_graphs import CudaGraphDispatcher, CUDAGraphRunner, HostBatch, InputBuffers
+from compilelm.runtime.memory import engine_graph_sizes, graph_memory_estimate
 from compilelm.runtime.piecewise_graphs import PiecewiseGraphs
 from compilelm.runtime.sampler import Sampler, SamplerOutput, gather_logprobs
 from compilelm.runtime.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-# Device memory of a captured graph beyond the pool it allocates from (the instantiated graph):
-# on an H100, smollm2-135m -O2 took 438 MiB for 31 pieces x 51 sizes (~250 KiB a piece graph, once
-# the pool and attention copies are taken out) and 12 MiB more for 11 full decode graphs.
-PIECE_GRAPH_BYTES = 256 * 2**10
-FULL_GRAPH_BYTES = 2 * 2**20
-
 
 @dataclass
 class StepInputs:
@@ -89,17 +83,11 @@ class ModelRunner:
         self.dispatcher = CudaGraphDispatcher()  # no graphs: every step eager
         if device.type == "cuda":
             sched = config.scheduler
-            full, piecewise = self._graph_sizes(config)
+            full, piecewise = engine_graph_sizes(config)
             max_blocks = -(-config.max_model_len // self.block_size)
             self.buffers = InputBuffers(max(sched.max_num_batched_tokens, max(full + piecewise, default=0)),
                                         sched.max_num_seqs, max_blocks, device)
             self._capture_graphs(full, piecewise if self.compiled is not None else [])
-
-    @staticmethod
-    def _graph_sizes(config) -> tuple[list[int], list[int]]:
-        """(full, piecewise) capture sizes."""
-        sched = config.scheduler
-        return graph_sizes(getattr(config, "compilation", None), sched.max_num_seqs, sched.max_num_batched_tokens)
 
     def _capture_graphs(self, full: list[int], piecewise: list[int]) -> None:
         """Piecewise graphs first, then full ones, each largest size first, all in one pool."""
@@ -117,8 +105,7 @@ class ModelRunner:
             self.cuda_graphs.capture(self.forward_fn, self.buffers, self.kv_caches)
         self.dispatcher = CudaGraphDispatcher(tuple(full), tuple(piecewise))
         measured = sum(g.memory_bytes for g in (self.piecewise_graphs, self.cuda_graphs) if g is not None)
-        estimate = self.graph_memory_estimate(self.model.config, self.config,
-                                              next(self.model.parameters()).dtype, full, piecewise)
+        estimate = graph_memory_estimate(self.model.config, next(self.model.parameters()).dtype, full, piecewise)
         logger.info("CUDA graph memory: %.0f MiB measured, %.0f MiB estimated (reserved before sizing the KV cache)",
                     measured / 2**20, estimate / 2**20)
 
@@ -135,45 +122,6 @@ class ModelRunner:
                     "compile cache at %s", compilation.level, time.perf_counter() - t0,
                     c.inductor_compiles, c.artifacts_loaded, compilation.cache_dir or default_cache_dir())
         return fn
-
-    @staticmethod
-    def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
-        """Bytes of one KV block on one rank."""
-        kv_heads = kv_heads_per_rank(model_config.num_key_value_heads, tp_size)
-        per_token = 2 * model_config.num_hidden_layers * kv_heads * model_config.head_dim
-        return per_token * block_size * dtype.itemsize
-
-    @staticmethod
-    def _activation_bytes_per_token(model_config, dtype: torch.dtype) -> int:
-        """About twice the live activations of one token in one layer (with headroom for the
-        allocator's rounding)."""
-        mc = model_config
-        per_token = (4 * mc.hidden_size + 2 * (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim
-                     + 3 * mc.intermediate_size) * dtype.itemsize
-        return 2 * per_token
-
-    @staticmethod
-    def graph_memory_estimate(model_config, config, dtype: torch.dtype, full: list[int], piecewise: list[int]) -> int:
-        """The graphs' memory: their shared pool (the largest size's activations: smaller sizes
-        reuse it), the piecewise call sites' static copies of the attention outputs
-        ([largest piecewise size, num_heads * head_dim] each), and the graphs themselves."""
-        mc = model_config
-        pool = ModelRunner._activation_bytes_per_token(mc, dtype) * max(full + piecewise, default=0)
-        attn_copies = (max(piecewise, default=0) * mc.num_hidden_layers * mc.num_attention_heads * mc.head_dim
-                       * dtype.itemsize)
-        graphs = FULL_GRAPH_BYTES * len(full) + PIECE_GRAPH_BYTES * len(piecewise) * (mc.num_hidden_layers + 1)
-        return pool + attn_copies + graphs
-
-    @staticmethod
-    def cuda_memory_reserve(model_config, config, dtype: torch.dtype) -> int:
-        """Bytes to keep free when the KV cache is sized on a GPU: an eager step of
-        max_num_batched_tokens, the CUDA graphs (`graph_memory_estimate`), and the sampler's
-        fp32 logits. An estimate, logged at startup beside the measured graph memory."""
-        mc, sched = model_config, config.scheduler
-        full, piecewise = ModelRunner._graph_sizes(config)
-        logits = 3 * sched.max_num_seqs * mc.vocab_size * 4
-        return (ModelRunner._activation_bytes_per_token(mc, dtype) * sched.max_num_batched_tokens + logits
-                + ModelRunner.graph_memory_estimate(mc, config, dtype, full, piecewise))
 
     def prepare_step(self, sched: SchedulerOutput) -> StepInputs:
         """The plan as flat host arrays: every scheduled token of every request, and the rows whose

@@ -15,6 +15,7 @@ import torch
 from compilelm.config import EngineConfig
 from compilelm.distributed.parallel_state import destroy_distributed, init_distributed
 from compilelm.models.loader import build_model, load_model_config, resolve_model
+from compilelm.runtime import memory
 from compilelm.runtime.model_runner import ModelRunner, StepInputs
 
 logger = logging.getLogger(__name__)
@@ -47,13 +48,13 @@ class Worker:
         config, cache = self.config, self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        per_block = ModelRunner.kv_bytes_per_block(self.model_config, cache.block_size, self.dtype,
-                                                   config.tensor_parallel_size)
+        per_block = memory.kv_bytes_per_block(self.model_config, cache.block_size, self.dtype,
+                                              config.tensor_parallel_size)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             # minus the activations and the CUDA graphs' pool (full + piecewise), allocated after the cache
             budget = (total * cache.gpu_memory_utilization - (total - free)
-                      - ModelRunner.cuda_memory_reserve(self.model_config, config, self.dtype))
+                      - memory.cuda_memory_reserve(self.model_config, config, self.dtype))
         else:
             budget = cache.kv_cache_memory_gb * 2**30
         needed = config.scheduler.max_num_seqs * -(-config.max_model_len // cache.block_size) + 1
