@@ -125,37 +125,39 @@ class ModelRunner:
 
     def prepare_step(self, sched: SchedulerOutput) -> StepInputs:
         """The plan as flat host arrays: every scheduled token of every request, and the rows whose
-        logits are needed (the last row of each sampled request, then prompt-logprob rows)."""
-        ids, pos, slots, cu, seq_lens, sample_idx, prompt_rows, tables = [], [], [], [0], [], [], [], []
-        pending_rows, pending_src = [], []
-        bs = self.block_size
-        for sr in sched.scheduled:
+        logits are needed (the last row of each sampled request, then prompt-logprob rows). One
+        Python pass gathers each request's scalars, ids and block table; positions and slots are
+        then computed for all tokens at once (this runs on the host every step)."""
+        scheduled, bs = sched.scheduled, self.block_size
+        num_reqs = len(scheduled)
+        starts = np.fromiter((sr.num_computed_tokens for sr in scheduled), np.int64, num_reqs)
+        lens = np.fromiter((sr.num_new_tokens for sr in scheduled), np.int64, num_reqs)
+        cu = np.zeros(num_reqs + 1, np.int64)
+        np.cumsum(lens, out=cu[1:])
+        block_tables = np.zeros((num_reqs, max(len(sr.block_ids) for sr in scheduled)), np.int32)  # pad: null block
+        ids, pending_rows, pending_src, prompt_rows = [], [], [], []
+        for i, sr in enumerate(scheduled):
             start, n = sr.num_computed_tokens, sr.num_new_tokens
-            p = np.arange(start, start + n, dtype=np.int64)
-            blocks = np.asarray(sr.block_ids, dtype=np.int64)
             known = sr.request.all_token_ids[start:start + n]
+            ids += known
             if len(known) < n:  # the last row decodes the token still on the device
-                pending_rows.append(cu[-1] + n - 1)
+                ids.append(0)
+                pending_rows.append(cu[i + 1] - 1)
                 pending_src.append(self._pending_source(sr.request, start + n - 1))
-                known = known + [0]
-            ids.append(np.asarray(known, dtype=np.int64))
-            pos.append(p)
-            slots.append(blocks[p // bs] * bs + p % bs)
-            prompt_rows.append(cu[-1] + np.arange(self._num_prompt_logprob_rows(sr), dtype=np.int64))
-            cu.append(cu[-1] + n)
-            seq_lens.append(start + n)
-            tables.append(sr.block_ids)
-            if sr.do_sample:
-                sample_idx.append(cu[-1] - 1)
-        max_blocks = max(len(t) for t in tables)
-        block_tables = np.zeros((len(tables), max_blocks), dtype=np.int32)  # padding -> null block 0
-        for i, t in enumerate(tables):
-            block_tables[i, :len(t)] = t
-        logits_idx = np.concatenate([np.asarray(sample_idx, dtype=np.int64), *prompt_rows])
-        batch = HostBatch(np.concatenate(ids), np.concatenate(pos), np.concatenate(slots),
-                          np.asarray(cu, dtype=np.int32), np.asarray(seq_lens, dtype=np.int32), block_tables,
-                          logits_idx, max(sr.num_new_tokens for sr in sched.scheduled))
-        graph_mode, graph_size = self.dispatcher.dispatch(len(batch.input_ids), len(sched.scheduled))
+            block_tables[i, :len(sr.block_ids)] = sr.block_ids
+            num_prompt_rows = self._num_prompt_logprob_rows(sr)
+            if num_prompt_rows:
+                prompt_rows.append(cu[i] + np.arange(num_prompt_rows, dtype=np.int64))
+        # token t belongs to request req[t] and sits at position starts[req] + t - cu[req]
+        req = np.repeat(np.arange(num_reqs), lens)
+        positions = np.arange(cu[-1], dtype=np.int64) - cu[req] + starts[req]
+        slots = block_tables[req, positions // bs].astype(np.int64) * bs + positions % bs
+        do_sample = np.fromiter((sr.do_sample for sr in scheduled), bool, num_reqs)
+        sample_idx = cu[1:][do_sample] - 1
+        batch = HostBatch(np.asarray(ids, dtype=np.int64), positions, slots, cu.astype(np.int32),
+                          (starts + lens).astype(np.int32), block_tables,
+                          np.concatenate([sample_idx, *prompt_rows]), int(lens.max()))
+        graph_mode, graph_size = self.dispatcher.dispatch(len(batch.input_ids), num_reqs)
         step = StepInputs(batch, graph_mode, graph_size, len(sample_idx))
         if pending_rows:
             step.pending_rows = np.asarray(pending_rows, dtype=np.int64)
