@@ -11,7 +11,7 @@ from compilelm.config import CacheConfig, EngineConfig, SchedulerConfig
 from compilelm.models.tokenizer import apply_chat_template
 from compilelm.outputs import RequestOutput
 from compilelm.runtime.engine import LLMEngine
-from compilelm.sampling_params import SamplingParams
+from compilelm.sampling_params import RequestOutputKind, SamplingParams
 
 _CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
 _SCHED_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)} - {"max_model_len"}
@@ -66,7 +66,10 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
-        ids = [self.engine.add_request(None, p, sp) for p, sp in zip(prompts, sampling_params)]
+        # only finished outputs are kept: the engine need not build the others every step
+        final_only = [dataclasses.replace(sp or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
+                      for sp in sampling_params]
+        ids = [self.engine.add_request(None, p, sp) for p, sp in zip(prompts, final_only)]
         order = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
         with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, leave=False) as bar:

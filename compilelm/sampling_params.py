@@ -20,6 +20,13 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2  # random, drawn from the request's own generator
 
 
+class RequestOutputKind(enum.IntEnum):
+    """Which RequestOutputs `LLMEngine.step()` returns for a request (vLLM's names)."""
+
+    CUMULATIVE = 0  # every step that changed it, with everything so far (streaming reads these)
+    FINAL_ONLY = 2  # only the finished one: `LLM.generate` (saves copying growing outputs per step)
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -44,6 +51,7 @@ class SamplingParams:
     # Each is called as fn(output_token_ids, logits_row) -> logits_row before sampling
     # (e.g. the server's JSON mode masks tokens that cannot continue valid JSON).
     logits_processors: list | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.stop = _normalize_stop(self.stop)
@@ -52,6 +60,8 @@ class SamplingParams:
         self.logits_processors = list(self.logits_processors or [])
         if not all(callable(f) for f in self.logits_processors):
             raise ValueError("logits_processors must be a list of callables")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         _check_int("n", self.n, lo=1)
         _check_number("temperature", self.temperature, lo=0)
         _check_number("top_p", self.top_p)

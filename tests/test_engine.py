@@ -91,6 +91,28 @@ def test_stop_string_truncates_text(llm):
     assert out.text == text[:text.index(stop) + len(stop)]
 
 
+def test_final_only_outputs(llm):
+    """FINAL_ONLY (what LLM.generate uses): step() returns a request only once, finished, with
+    the same content as the last of its CUMULATIVE outputs."""
+    from compilelm.sampling_params import RequestOutputKind
+
+    eng = llm.engine
+    prompts = {"c": [5, 6, 7], "d": list(range(100, 140))}
+    seen = {"cumulative": {}, "final": {}}
+    for kind, name in ((RequestOutputKind.CUMULATIVE, "cumulative"), (RequestOutputKind.FINAL_ONLY, "final")):
+        for rid, p in prompts.items():
+            eng.add_request(f"{name}-{rid}", p, SamplingParams(n=2, temperature=0.8, seed=1, logprobs=1,
+                                                               max_tokens=6, ignore_eos=True, output_kind=kind))
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                seen[name].setdefault(out.request_id.split("-")[1], []).append(out)
+    assert all(len(outs) > 1 for outs in seen["cumulative"].values())
+    for rid in prompts:
+        final, last = seen["final"][rid], seen["cumulative"][rid][-1]
+        assert len(final) == 1 and final[0].finished and last.finished
+        assert final[0].outputs == last.outputs
+
+
 def test_abort_frees_blocks(llm):
     eng = llm.engine
     eng.add_request("a", list(range(50)), _greedy(100))

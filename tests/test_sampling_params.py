@@ -32,6 +32,7 @@ INVALID = [
     ("frequency_penalty", 2.5),
     ("repetition_penalty", 0.0),
     ("repetition_penalty", -1.0),
+    ("output_kind", 2),  # an int, not a RequestOutputKind
 ]
 
 

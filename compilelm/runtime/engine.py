@@ -25,7 +25,7 @@ from compilelm.runtime.executor import Executor
 from compilelm.runtime.kv_cache_manager import KVCacheManager
 from compilelm.runtime.request import Request, RequestStatus
 from compilelm.runtime.scheduler import Scheduler, SchedulerOutput
-from compilelm.sampling_params import SamplingParams
+from compilelm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("compilelm")
 
@@ -48,6 +48,7 @@ class _Parent:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     children: list[_Child] = field(default_factory=list)
     prompt_counted: bool = False  # prompt tokens entered the metrics (even if a prefix-cache hit)
 
@@ -125,7 +126,7 @@ class LLMEngine:
         else:
             text, token_ids = None, list(prompt)
         self.validate_prompt(token_ids, params)
-        parent = _Parent(request_id, text, token_ids)
+        parent = _Parent(request_id, text, token_ids, params.output_kind)
         for i in range(params.n):
             child_params = params
             add_eos_ids = bool(self.extra_eos_ids) and not params.ignore_eos
@@ -238,7 +239,8 @@ class LLMEngine:
             parent, child = entry
             self._detokenize(child)
             touched[parent.request_id] = parent
-        return [self._make_output(p) for p in touched.values()]
+        return [self._make_output(p) for p in touched.values()
+                if p.output_kind is RequestOutputKind.CUMULATIVE or all(c.request.is_finished for c in p.children)]
 
     def _record_logprobs(self, child: _Child, lp) -> None:
         child.cumulative_logprob += lp.logprobs[0]
