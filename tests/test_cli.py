@@ -53,3 +53,27 @@ def test_generate_default_model_matches_api():
     ref = LLM(enforce_eager=True, max_model_len=512).generate(
         "The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert r.stdout.rstrip("\n") == ref[0].outputs[0].text
+
+
+def test_serve_engine_freezes_startup_objects():
+    """`compilelm serve` builds its engine, then freezes what startup left alive, so that the
+    collections serving triggers no longer walk it; the engine still runs."""
+    import gc
+
+    from compilelm import SamplingParams
+    from compilelm.entrypoints.cli_serve import build_engine
+    from compilelm.llm import make_engine_config
+
+    config = make_engine_config("dummy:smollm2-135m", model_overrides={"num_hidden_layers": 1}, max_model_len=64,
+                                enforce_eager=True)
+    before = gc.get_freeze_count()
+    try:
+        engine = build_engine(config)
+        assert gc.get_freeze_count() > before + 1000
+        engine.add_request("r", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 2
+    finally:
+        gc.unfreeze()
