@@ -52,6 +52,10 @@ class _Parent:
     children: list[_Child] = field(default_factory=list)
     prompt_counted: bool = False  # prompt tokens entered the metrics (even if a prefix-cache hit)
 
+    @property
+    def finished(self) -> bool:
+        return all(c.request.is_finished for c in self.children)
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
@@ -240,7 +244,7 @@ class LLMEngine:
             self._detokenize(child)
             touched[parent.request_id] = parent
         return [self._make_output(p) for p in touched.values()
-                if p.output_kind is RequestOutputKind.CUMULATIVE or all(c.request.is_finished for c in p.children)]
+                if p.output_kind is RequestOutputKind.CUMULATIVE or p.finished]
 
     def _record_logprobs(self, child: _Child, lp) -> None:
         child.cumulative_logprob += lp.logprobs[0]
@@ -275,7 +279,7 @@ class LLMEngine:
                 cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
                 logprobs=c.logprobs, finish_reason=r.finish_reason if r.is_finished else None,
                 stop_reason=r.stop_reason))
-        finished = all(c.request.is_finished for c in parent.children)
+        finished = parent.finished
         if finished:
             self._parents.pop(parent.request_id, None)
             for c in parent.children:

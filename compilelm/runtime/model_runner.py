@@ -31,7 +31,7 @@ from compilelm.runtime.async_step import AsyncStepOutput
 from compilelm.runtime.cuda_graphs import CudaGraphDispatcher, CUDAGraphRunner, HostBatch, InputBuffers
 from compilelm.runtime.memory import engine_graph_sizes, graph_memory_estimate
 from compilelm.runtime.piecewise_graphs import PiecewiseGraphs
-from compilelm.runtime.sampler import Sampler, SamplerOutput, gather_logprobs
+from compilelm.runtime.sampler import SampledTensors, Sampler, SamplerOutput, gather_logprobs
 from compilelm.runtime.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -246,42 +246,35 @@ class ModelRunner:
         the host: they are copied to pinned memory behind the step, and `AsyncStepOutput.get()`
         waits for them. Prompt logprobs (rare) are still gathered synchronously."""
         step = self.prepare_step(sched)
-        logits = self.run_step(step)
-        out = StepOutput([], None, {})
-        if logits is None:
-            self.last_sampled = None
-            return AsyncStepOutput(out)
-        out.prompt_logprobs = self._prompt_logprobs(sched, logits[step.num_sampled:])
-        out.sampled = [sr.request for sr in sched.scheduled if sr.do_sample]
-        if not out.sampled:
-            self.last_sampled = None
-            return AsyncStepOutput(out)
-        logits = self._apply_logits_processors(logits[:step.num_sampled], out.sampled)
-        sampled = self.sampler.sample_tensors(logits, out.sampled)
-        self.last_sampled = (sampled.token_ids, {r.request_id: i for i, r in enumerate(out.sampled)})
+        out, sampled = self._sample(sched, step, self.run_step(step))
+        self.last_sampled = None if sampled is None else (
+            sampled.token_ids, {r.request_id: i for i, r in enumerate(out.sampled)})
         return AsyncStepOutput(out, sampled)
-
-    @staticmethod
-    def _apply_logits_processors(logits: torch.Tensor, requests: list) -> torch.Tensor:
-        """User functions of (output token ids, logits row) -> row; the engine runs their steps
-        synchronously, so output_token_ids is up to date."""
-        for i, req in enumerate(requests):
-            for fn in req.sampling_params.logits_processors:
-                logits[i] = fn(req.output_token_ids, logits[i])
-        return logits
 
     @torch.inference_mode()
     def make_output(self, sched: SchedulerOutput, step: StepInputs, logits: torch.Tensor | None) -> StepOutput:
         """Samples the requests that need a token; gathers the prompt logprobs asked for."""
+        out, sampled = self._sample(sched, step, logits)
+        if sampled is not None:
+            out.sampler_output = sampled.to_output()
+        return out
+
+    def _sample(self, sched: SchedulerOutput, step: StepInputs,
+                logits: torch.Tensor | None) -> tuple[StepOutput, SampledTensors | None]:
+        """Prompt logprobs, then the logits processors and the sampler on the device for the
+        requests that need a token (their result still on the device, None if there are none)."""
         out = StepOutput([], None, {})
         if logits is None:
-            return out
+            return out, None
         out.prompt_logprobs = self._prompt_logprobs(sched, logits[step.num_sampled:])
         out.sampled = [sr.request for sr in sched.scheduled if sr.do_sample]
-        if out.sampled:
-            logits = self._apply_logits_processors(logits[:step.num_sampled], out.sampled)
-            out.sampler_output = self.sampler(logits, out.sampled)
-        return out
+        if not out.sampled:
+            return out, None
+        logits = logits[:step.num_sampled]
+        for i, req in enumerate(out.sampled):  # user functions of (output token ids, logits row) -> row
+            for fn in req.sampling_params.logits_processors:
+                logits[i] = fn(req.output_token_ids, logits[i])
+        return out, self.sampler.sample_tensors(logits, out.sampled)
 
     def _prompt_logprobs(self, sched: SchedulerOutput, logits: torch.Tensor) -> dict:
         """request id -> [(prompt position, LogprobsLists)]; `logits` holds the prompt-logprob rows

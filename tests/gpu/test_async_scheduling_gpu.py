@@ -12,7 +12,7 @@ import torch
 
 from compilelm import LLM, SamplingParams
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 
 PROMPT_LENS = (7, 33, 90, 12, 150)
 
@@ -41,14 +41,6 @@ def run(async_scheduling: bool, cache_dir, params_fn):
     gc.collect()
     torch.cuda.empty_cache()
     return result, steps, usage
-
-
-@pytest.fixture(autouse=True)
-def no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def greedy(i):

@@ -12,7 +12,7 @@ import torch
 
 from compilelm import LLM, SamplingParams
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 
 COMMON = dict(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
@@ -75,14 +75,6 @@ def run_hf(model):
                                  min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
             out.append(gen[0, len(p):].tolist())
     return out
-
-
-@pytest.fixture(autouse=True)
-def no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

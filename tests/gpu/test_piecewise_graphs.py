@@ -20,7 +20,7 @@ from compilelm.runtime.model_runner import StepInputs
 from compilelm.runtime.piecewise_graphs import PiecewiseGraphs
 from tests.gpu.test_engine_gpu import build_hf_model
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 
 SIZES = [1, 2, 4, 8, 16, 32, 64]
 PREFIX = list(range(10, 58))  # 48 tokens: 3 full blocks, cached by the first request
@@ -65,14 +65,6 @@ def record_dispatch(runner) -> list:
 def cache_dir(tmp_path_factory):
     """One compile cache for the module: each shape compiles cold once."""
     return str(tmp_path_factory.mktemp("compile_cache"))
-
-
-@pytest.fixture(autouse=True)
-def no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 @pytest.fixture
