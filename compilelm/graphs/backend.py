@@ -2,7 +2,8 @@
 per unique piece -> one stitched Python function.
 
     Dynamo FX graph (torch-level, parameters lifted to inputs)
-      | AOTAutograd, inference only: functional aten ops, Inductor's decompositions
+      | AOTAutograd, inference only: functional aten ops, Inductor's decompositions; once per
+      | distinct layer, copied in at every layer (lower.py; whole-graph AOT as the fallback)
     whole-model aten graph  -- whole-graph passes (fusions spanning attention live here)
       | split at the splitting ops
     pieces  -- Inductor each (post-grad PassManager), once per unique piece, symbolic + static sizes
@@ -25,6 +26,7 @@ from tqdm import tqdm
 
 from compilelm.distributed.parallel_state import get_tp_rank
 from compilelm.graphs.counters import compile_counters
+from compilelm.graphs.lower import lower_to_aten
 from compilelm.graphs.piecewise import PieceRunner, compile_piece, describe, piece_key, token_arg
 from compilelm.graphs.split import split_graph
 from compilelm.graphs.stitch import build_graph, graph_code, input_recipe
@@ -61,9 +63,15 @@ class CompilelmBackend:
         if self.dumper:
             self.dumper.write("01_dynamo_graph.py", gm.print_readable(print_output=False))
         self._t = time.perf_counter()
-        return aot_autograd(fw_compiler=self._compile, decompositions=select_decomp_table())(gm, example_inputs)
+        aten = lower_to_aten(gm, self.config.splitting_ops)
+        if aten is not None:  # a plain function of its inputs: called as it is, no AOT wrappers
+            self.times["aot"] += time.perf_counter() - self._t
+            self._compile_aten(aten)
+            return self._run
+        return aot_autograd(fw_compiler=self._compile_whole, decompositions=select_decomp_table())(gm, example_inputs)
 
-    def _compile(self, gm: torch.fx.GraphModule, example_inputs):
+    def _compile_whole(self, gm: torch.fx.GraphModule, example_inputs):
+        """AOTAutograd's forward compiler, when the whole graph had to go through it."""
         self.times["aot"] += time.perf_counter() - self._t
         meta = torch._guards.TracingContext.get().fw_metadata
         plain = meta is not None and not meta.tokens and all(
@@ -71,7 +79,11 @@ class CompilelmBackend:
         ) and all(o.output_type.name == "non_alias" for o in meta.output_info)
         if not plain:  # inputs mutated / outputs aliasing: keep Dynamo + AOT's wrappers in the loop
             self.recipe = None
+        self._compile_aten(gm)
+        return make_boxed_func(self._run)
 
+    def _compile_aten(self, gm: torch.fx.GraphModule) -> None:
+        """Whole-graph passes, split, Inductor per distinct piece, stitch."""
         if self.dumper:
             self.dumper.write("02_aten_graph.py", gm.print_readable(print_output=False))
         t = time.perf_counter()
@@ -97,7 +109,6 @@ class CompilelmBackend:
         if self.dumper:
             self.dumper.write("04_split_graph.py", top.print_readable(print_output=False))
             self.dumper.write("05_stitched_graph.py", src)
-        return make_boxed_func(self._run)
 
     def _run(self, *args):
         if self.dry_run:

@@ -1,4 +1,5 @@
-"""Split the whole-model aten graph at the splitting ops (attention by default).
+"""Split a whole-model graph at the splitting ops (attention by default): the functional aten
+graph before Inductor, and Dynamo's torch-level graph before it is lowered (graphs/lower.py).
 
 Every splitting op gets a submodule of its own (consecutive ones share one; `getitem`s stay with
 their producer); everything in between becomes a *piece* that Inductor compiles. For a model of
@@ -15,7 +16,7 @@ import operator
 from dataclasses import dataclass
 
 import torch
-from torch._ops import OpOverload
+from torch._ops import OpOverload, OpOverloadPacket
 from torch.fx.passes.split_module import split_module
 
 
@@ -28,10 +29,15 @@ class Piece:
 
 
 def is_splitting_op(node: torch.fx.Node, splitting_ops: tuple[str, ...]) -> bool:
-    if node.op != "call_function" or not isinstance(node.target, OpOverload):
+    if node.op != "call_function":
         return False
-    name = node.target._schema.name  # "namespace::op"
-    return name in splitting_ops or f"{name}.{node.target._overloadname}" in splitting_ops
+    if isinstance(node.target, OpOverloadPacket):  # Dynamo's graph: torch.ops.ns.op(...)
+        name, overload = node.target._qualified_op_name, "default"
+    elif isinstance(node.target, OpOverload):
+        name, overload = node.target._schema.name, node.target._overloadname  # "namespace::op"
+    else:
+        return False
+    return name in splitting_ops or f"{name}.{overload}" in splitting_ops
 
 
 def split_graph(gm: torch.fx.GraphModule, splitting_ops: tuple[str, ...]) -> tuple[torch.fx.GraphModule, list[Piece]]:
@@ -80,7 +86,10 @@ def split_graph(gm: torch.fx.GraphModule, splitting_ops: tuple[str, ...]) -> tup
 
 
 def _val(a):
-    return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+    """A node's fake value: "val" in aten graphs, "example_value" in Dynamo's."""
+    if not isinstance(a, torch.fx.Node):
+        return a
+    return a.meta["val"] if "val" in a.meta else a.meta.get("example_value")
 
 
 def _inline(top: torch.fx.GraphModule, call: torch.fx.Node) -> None:

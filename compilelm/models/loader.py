@@ -120,8 +120,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights drawn at each parameter's full (tensor_parallel_size 1) shape, in parameter
-    order, then sliced by the layer's loader: every TP size gets the same model."""
-    gen = torch.Generator().manual_seed(seed)
+    order, then sliced by the layer's loader: every TP size gets the same model. They are drawn
+    where the model lives (a GPU draws billions in milliseconds; the host took seconds and a copy),
+    so a CPU model and a GPU model of the same preset differ."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -130,7 +133,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             owner = model.get_submodule(name.rpartition(".")[0])
             full_shape = owner.full_shape(p) if hasattr(owner, "full_shape") else p.shape
             # small values keep activations in range across many layers
-            full = torch.empty(full_shape).normal_(0.0, 0.02, generator=gen).to(p.dtype)
+            full = torch.empty(full_shape, device=device).normal_(0.0, 0.02, generator=gen).to(p.dtype)
             if hasattr(owner, "load_full"):
                 owner.load_full(p, full)
             else:

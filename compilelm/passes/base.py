@@ -30,6 +30,7 @@ import hashlib
 import inspect
 import json
 import time
+import weakref
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -133,13 +134,51 @@ class FusionPass(CompilePass):
 
 def trace_pattern(fn: Callable, args, **kwargs) -> torch.fx.GraphModule:
     """Trace a pattern to aten ops the way the graphs it is matched against look: Inductor's
-    decompositions, then no-op elimination (which runs first in both stages)."""
+    decompositions, then no-op elimination (which runs first in both stages).
+
+    The matcher retraces the pattern and its replacement for every match, with the match's
+    shapes, to check it; in a whole-model graph the 30 layers' matches have the same shapes. So
+    traces are kept per fake mode (one compile) and key (the function, and each argument's
+    dtype / shape / stride / device or value), and each caller gets its own copy of the graph."""
     from compilelm.passes.noop_elimination import NoOpEliminationPass
 
-    gm = pm.fwd_only(fn, args, run_functional_passes=False, **kwargs)
-    NoOpEliminationPass().run(gm.graph)
-    gm.recompile()
-    return gm
+    mode, key = torch._guards.detect_fake_mode(args), _trace_key(fn, args, kwargs)
+    traces = _traces.setdefault(mode, {}) if mode is not None and key is not None else {}
+    gm = traces.get(key)
+    if gm is None:
+        gm = pm.fwd_only(fn, args, run_functional_passes=False, **kwargs)
+        NoOpEliminationPass().run(gm.graph)
+        gm.recompile()
+        if key is None or mode is None:
+            return gm
+        traces[key] = gm
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph)
+
+
+_traces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fake mode -> {key: traced graph}
+
+
+def _trace_key(fn: Callable, args, kwargs) -> tuple | None:
+    """What a trace depends on, or None if that cannot be told (then it is not kept). The
+    matcher's wrappers are fresh closures per match: the functions they close over count."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    cells = tuple(id(c.cell_contents) for c in fn.__closure__ or () if callable(c.cell_contents))
+
+    def describe(a):
+        if isinstance(a, torch.Tensor):
+            return (str(a.dtype), str(tuple(a.shape)), str(a.stride()), str(a.device), a.requires_grad)
+        if isinstance(a, (torch.SymInt, torch.SymFloat, int, float, bool, str, type(None))):
+            return (type(a).__name__, str(a))
+        raise TypeError
+
+    try:
+        return code, cells, tuple(describe(a) for a in args), tuple((k, id(v)) for k, v in sorted(kwargs.items()))
+    except TypeError:
+        return None
 
 
 def pass_uuid(cls: type, config: dict[str, Any]) -> str:

@@ -7,10 +7,11 @@ math is gone from the pieces. Before (one layer, fp32, as the aten graph shows i
 
     index: "f32[s72, 64]" = aten.index.Tensor(cos_sin_cache, [positions])
     split = aten.split.Tensor(index, 32, -1);  cos = split[0];  sin = split[1]
-    q1, q2 = split(q, 32, -1) ...;  cat([cos, cos]) as unsqueeze/expand/clone/view ...
-    mul = aten.mul(q, cos_);  cat = aten.cat([neg(q2), q1], -1);  add = aten.add(mul, mul(cat, sin_))
+    split_1 = aten.split.Tensor(view(q, [s72, 9, 64]), 32, -1);  q1 = split_1[0];  q2 = split_1[1]
+    cos_ = aten.unsqueeze(cos, 1);  sin_ = aten.unsqueeze(sin, 1)
+    cat = aten.cat([sub(mul(q1, cos_), mul(q2, sin_)), add(mul(q2, cos_), mul(q1, sin_))], -1)
     ... the same for k ...
-    attn: "f32[s72, 576]" = compilelm.unified_attention(view(add), view(add_1), v, 'model.layers.0.self_attn.attn')
+    attn: "f32[s72, 576]" = compilelm.unified_attention(view(cat), view(cat_1), v, 'model.layers.0.self_attn.attn')
 
 After:
 
