@@ -50,6 +50,10 @@ TORCH_LIBRARY(compilelm, m) {
   // residual_out = x + residual; (rms_norm(residual_out), residual_out)
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
 
+  // x: [M, K], weight: [N, K] (a linear layer's weight) -> x @ weight.T: [M, N]. The CUDA kernel
+  // serves M <= 4 (decode at small batch) by streaming the weight once; other inputs use at::mm.
+  m.def("skinny_mm(Tensor x, Tensor weight) -> Tensor");
+
   // One-shot all-reduce over peer memory, CUDA only (csrc/cuda/allreduce_kernels.cu); called by
   // compilelm/distributed/custom_all_reduce.py, which owns the buffers: buffer_ptrs = every rank's
   // symmetric buffer (flags, then buffer_bytes for the rows), rank = this rank's index in it.

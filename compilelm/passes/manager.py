@@ -4,7 +4,7 @@ Inductor's `post_grad_custom_post_pass` for every piece.
 Order (documented, fixed):
 
     whole graph (before the split):  NoOpElimination, <whole-graph fusions>, <custom whole-graph>
-    post-grad (per piece):           NoOpElimination, UnfuseResidualAddmm, <fusions>, <custom post-grad>,
+    post-grad (per piece):           NoOpElimination, UnfuseResidualAddmm, SkinnyMM, <fusions>, <custom post-grad>,
                                      then always the tail: Cleanup, InplaceLowering, Cleanup
 
 Custom passes ("module:Class", optionally ",stage=whole_graph|post_grad" and ",before=Pass" or
@@ -41,6 +41,9 @@ class PassManager(CustomGraphPass):
         if config.unfuse_residual_addmm:  # first: the fusions below may want the add
             from compilelm.passes.unfuse_residual_addmm import UnfuseResidualAddmmPass
             self.post_grad.append(UnfuseResidualAddmmPass(config))
+        if config.skinny_mm:  # after the unfuse: it makes the mms this one routes
+            from compilelm.passes.skinny_mm import SkinnyMMPass
+            self.post_grad.append(SkinnyMMPass(config))
         # Fusion passes are appended here, in order, each behind its PassConfig switch.
         if config.fuse_allreduce_rms:
             from compilelm.passes.fuse_allreduce_rms import AllReduceRMSNormFusionPass

@@ -54,6 +54,9 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_quant_fp8(const at::Tensor& x, const
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                       const at::Tensor& weight, double eps);
 
+// skinny_mm.cu
+at::Tensor skinny_mm(const at::Tensor& x, const at::Tensor& weight);
+
 // allreduce_kernels.cu
 at::Tensor custom_all_reduce(const at::Tensor& x, at::IntArrayRef buffer_ptrs, int64_t rank, int64_t buffer_bytes);
 std::tuple<at::Tensor, at::Tensor> custom_all_reduce_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
