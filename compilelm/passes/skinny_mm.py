@@ -1,18 +1,19 @@
-"""Route a linear layer's matmul through `compilelm::skinny_mm`, which streams the weight once
-at decode batch sizes (M <= 4 rows) and hands larger M to cuBLAS.
+"""Route a small linear layer's matmul through `compilelm::skinny_mm`, which streams the weight
+once at decode batch sizes (M <= 4 rows) and hands larger M to cuBLAS.
 
-At M = 1 a linear layer is a read of its weight, and cuBLAS's tile choice does not always fill
-the GPU: on an H100 at batch 1, Llama-3.1-8B's 4096 x 4096 o_proj ran on 64 CTAs at ~54% of copy
-bandwidth (20.7 us; the kernel's floor is ~11 us), where its 14336-wide down_proj, on a split-K
-kernel, ran near 100%. The CUDA kernel (csrc/cuda/skinny_mm.cu) puts one warp on each output
-column, whatever the shape.
+At M = 1 a linear layer is a read of its weight; for a small weight the cost is the kernel's
+fixed latency, not bytes. The CUDA kernel (csrc/cuda/skinny_mm.cu) puts one warp on each output
+column. `benchmarks/bench_skinny_mm.py` on an H100 (results/bench_skinny_mm.json, bf16, M = 1):
+SmolLM2-135M's qkv, o_proj and down_proj (0.3-0.9 M weights) take 3.2 / 3.0 / 3.9 us against
+cuBLAS's 3.6 / 3.6 / 5.0 us; from 1.8 M weights up (135M's gate_up, every Llama-3.1-8B layer)
+cuBLAS is as fast or faster (8B: 0.83-1.01x), so those keep aten.mm.
 
-    permute: "bf16[4096, 4096]" = aten.permute(w, [1, 0])
-    mm: "bf16[s0, 4096]" = aten.mm(x, permute)           ==>   mm: "bf16[s0, 4096]" = compilelm.skinny_mm(x, w)
+    permute: "bf16[576, 576]" = aten.permute(w, [1, 0])
+    mm: "bf16[s0, 576]" = aten.mm(x, permute)            ==>   mm: "bf16[s0, 576]" = compilelm.skinny_mm(x, w)
 
-Only CUDA graphs, only weights (graph inputs or constants, 2-D, rows contiguous), and only where M may be <= 4: the
-symbolic-size graph (the op picks the kernel per call) and static sizes 1-4. A static size above
-4 keeps aten.mm, so Inductor sees the same graph as before.
+Only CUDA graphs, only weights (graph inputs or constants, 2-D, rows contiguous) of at most
+MAX_WEIGHT_ELEMENTS, and only where M may be <= 4: the symbolic-size graph (the op picks the
+kernel per call) and static sizes 1-4. Elsewhere Inductor sees the same graph as before.
 """
 
 from __future__ import annotations
@@ -25,16 +26,22 @@ from compilelm.passes.base import CompilePass
 
 aten = torch.ops.aten
 MAX_ROWS = 4  # as kMaxRows in csrc/cuda/skinny_mm.cu
+MAX_WEIGHT_ELEMENTS = 1 << 20  # above this cuBLAS is at least as fast (module docstring)
 
 
 class SkinnyMMPass(CompilePass):
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        # (graphs without such a matmul, e.g. every CPU graph, are not even recorded)
+        if any(_routable(mm) for mm in graph.find_nodes(op="call_function", target=aten.mm.default)):
+            super().__call__(graph)
+
     def run(self, graph: torch.fx.Graph) -> int:
         count = 0
         for mm in graph.find_nodes(op="call_function", target=aten.mm.default):
-            x, w_t = mm.args
-            weight = _transposed_weight(w_t)
-            if weight is None or not _applies(x, weight):
+            weight = _routable(mm)
+            if weight is None:
                 continue
+            x = mm.args[0]
             with graph.inserting_before(mm):
                 fused = graph.call_function(torch.ops.compilelm.skinny_mm.default, (x, weight))
             fused.meta = dict(mm.meta)
@@ -42,6 +49,13 @@ class SkinnyMMPass(CompilePass):
             graph.erase_node(mm)
             count += 1
         return count
+
+
+def _routable(mm: torch.fx.Node) -> torch.fx.Node | None:
+    """The weight of `mm` if it goes to skinny_mm, else None."""
+    x, w_t = mm.args
+    weight = _transposed_weight(w_t)
+    return weight if weight is not None and _applies(x, weight) else None
 
 
 def _transposed_weight(node) -> torch.fx.Node | None:
@@ -60,7 +74,7 @@ def _applies(x, weight) -> bool:
         return False
     if xv.device.type != "cuda" or xv.dim() != 2 or wv.dim() != 2 or xv.dtype != wv.dtype:
         return False
-    if not statically_known_true(wv.stride(1) == 1):
+    if not statically_known_true(wv.stride(1) == 1) or not statically_known_true(wv.numel() <= MAX_WEIGHT_ELEMENTS):
         return False
     m = xv.shape[0]
     return not isinstance(m, int) or m <= MAX_ROWS

@@ -49,6 +49,13 @@ def test_linear_mms_become_skinny_mm_where_m_may_be_small(m, symbolic, expected)
         torch.testing.assert_close(got, want)
 
 
+def test_big_weights_keep_cublas():
+    gm = trace(linear_pair, [(1, 1024), (1025, 1024), (8, 1025)])  # 1025 x 1024 > MAX_WEIGHT_ELEMENTS
+    p = SkinnyMMPass()
+    p(gm.graph)
+    assert p.matches == 1  # only the small second weight
+
+
 def test_cpu_graphs_and_mixed_dtypes_are_kept():
     cpu = trace(linear_pair, [(1, 16), (24, 16), (8, 24)], device="cpu")
     with FakeTensorMode():
