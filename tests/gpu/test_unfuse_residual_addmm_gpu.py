@@ -23,7 +23,9 @@ def test_residual_adds_leave_addmm(dtype):
     args = [torch.randn(s, generator=gen, device="cuda").to(dtype) * 0.1 for s in ((7, 256), (7, 256), (256, 256),
                                                                                     (256, 256), (256,))]
     p = UnfuseResidualAddmmPass()
-    with torch._inductor.config.patch(post_grad_custom_post_pass=p, fx_graph_cache=False):
+    # shape_padding off: Inductor's pad_mm benchmarks padding M = 7 to 8 and, when that times faster
+    # (it does at times in fp32), pads the mm, so the add never becomes an addmm to begin with
+    with torch._inductor.config.patch(post_grad_custom_post_pass=p, fx_graph_cache=False, shape_padding=False):
         torch._dynamo.reset()
         got, (code, *_) = run_and_get_code(torch.compile(layer, fullgraph=True), *args)
     assert p.matches == 2
