@@ -14,11 +14,17 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 
 def environment() -> dict:
     import torch
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(RESULTS_DIR)).stdout.strip()
-    except OSError:
-        commit = "unknown"
+    repo = os.path.dirname(os.path.dirname(RESULTS_DIR))
+    stamp = os.path.join(repo, "COMMIT")  # written next to a `git archive` snapshot (no .git of its own)
+    if os.path.exists(stamp):
+        with open(stamp) as f:
+            commit = f.read().strip()
+    else:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=repo).stdout.strip()
+        except OSError:
+            commit = "unknown"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {"torch": torch.__version__, "gpu": gpu, "cpu": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "commit": commit,
