@@ -51,7 +51,7 @@ TORCH_LIBRARY(compilelm, m) {
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
 
   // x: [M, K], weight: [N, K] (a linear layer's weight) -> x @ weight.T: [M, N]. The CUDA kernel
-  // serves M <= 4 (decode at small batch) by streaming the weight once; other inputs use at::mm.
+  // serves M <= 2 (decode at batch 1-2) by streaming the weight once; other inputs use at::mm.
   m.def("skinny_mm(Tensor x, Tensor weight) -> Tensor");
 
   // One-shot all-reduce over peer memory, CUDA only (csrc/cuda/allreduce_kernels.cu); called by

@@ -57,7 +57,10 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 def compute_logits(hidden: torch.Tensor, head: VocabParallelEmbedding) -> torch.Tensor:
     # hidden: [n, hidden] -> logits fp32 [n, vocab]
-    logits = F.linear(hidden, head.weight)
+    if hidden.is_cuda and hidden.dim() == 2:  # at 1-2 rows the weight-streaming kernel, else cuBLAS
+        logits = torch.ops.compilelm.skinny_mm.default(hidden, head.weight)
+    else:
+        logits = F.linear(hidden, head.weight)
     if get_tp_size() > 1:
         logits = tensor_model_parallel_all_gather(logits, dim=-1)[:, :head.num_embeddings]
     return logits.float()

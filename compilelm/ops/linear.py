@@ -1,8 +1,9 @@
-"""skinny_mm: `x @ weight.T` for a linear layer at a few rows (decode at batch 1-4).
+"""skinny_mm: `x @ weight.T` for a linear layer at one or two rows (decode at batch 1-2).
 
 Schema in csrc/ops.cpp; the CUDA kernel (csrc/cuda/skinny_mm.cu) streams the weight once with
-one warp per output column and takes M <= 4, handing larger M to cuBLAS. On CPU it is the matmul
-itself. `SkinnyMMPass` puts it in place of the compiled graphs' linear matmuls on CUDA.
+one warp per output column and takes M <= 2, handing larger M to cuBLAS. On CPU it is the matmul
+itself. `SkinnyMMPass` puts it in place of the compiled graphs' linear matmuls on CUDA, and the
+LM head calls it directly.
 """
 
 import torch

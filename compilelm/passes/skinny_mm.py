@@ -1,19 +1,18 @@
-"""Route a small linear layer's matmul through `compilelm::skinny_mm`, which streams the weight
-once at decode batch sizes (M <= 4 rows) and hands larger M to cuBLAS.
+"""Route a linear layer's matmul through `compilelm::skinny_mm`, which streams the weight once
+at decode batch sizes (M <= 2 rows) and hands larger M to cuBLAS.
 
-At M = 1 a linear layer is a read of its weight; for a small weight the cost is the kernel's
-fixed latency, not bytes. The CUDA kernel (csrc/cuda/skinny_mm.cu) puts one warp on each output
-column. `benchmarks/bench_skinny_mm.py` on an H100 (results/bench_skinny_mm.json, bf16, M = 1):
-SmolLM2-135M's qkv, o_proj and down_proj (0.3-0.9 M weights) take 3.2 / 3.0 / 3.9 us against
-cuBLAS's 3.6 / 3.6 / 5.0 us; from 1.8 M weights up (135M's gate_up, every Llama-3.1-8B layer)
-cuBLAS is as fast or faster (8B: 0.83-1.01x), so those keep aten.mm.
+At M = 1 a linear layer is a read of its weight, and cuBLAS's tile choices leave bandwidth unused
+on some shapes: on an H100, Llama-3.1-8B's 4096 x 4096 o_proj ran at ~67% of copy bandwidth
+(16.7 us). The CUDA kernel (csrc/cuda/skinny_mm.cu) puts one warp on each output column; at M = 1
+it was faster than cuBLAS on every Llama-3.1-8B and SmolLM2-135M layer shape
+(benchmarks/bench_skinny_mm.py, results/bench_skinny_mm.json).
 
-    permute: "bf16[576, 576]" = aten.permute(w, [1, 0])
-    mm: "bf16[s0, 576]" = aten.mm(x, permute)            ==>   mm: "bf16[s0, 576]" = compilelm.skinny_mm(x, w)
+    permute: "bf16[4096, 4096]" = aten.permute(w, [1, 0])
+    mm: "bf16[s0, 4096]" = aten.mm(x, permute)           ==>   mm: "bf16[s0, 4096]" = compilelm.skinny_mm(x, w)
 
-Only CUDA graphs, only weights (graph inputs or constants, 2-D, rows contiguous) of at most
-MAX_WEIGHT_ELEMENTS, and only where M may be <= 4: the symbolic-size graph (the op picks the
-kernel per call) and static sizes 1-4. Elsewhere Inductor sees the same graph as before.
+Only CUDA graphs, only weights (graph inputs or constants, 2-D, rows contiguous), and only where
+M may be <= 2: the symbolic-size graph (the op picks the kernel per call) and static sizes 1-2.
+Elsewhere Inductor sees the same graph as before.
 """
 
 from __future__ import annotations
@@ -25,8 +24,7 @@ import compilelm.ops  # noqa: F401 (defines compilelm::skinny_mm)
 from compilelm.passes.base import CompilePass
 
 aten = torch.ops.aten
-MAX_ROWS = 4  # as kMaxRows in csrc/cuda/skinny_mm.cu
-MAX_WEIGHT_ELEMENTS = 1 << 20  # above this cuBLAS is at least as fast (module docstring)
+MAX_ROWS = 2  # as kMaxRows in csrc/cuda/skinny_mm.cu
 
 
 class SkinnyMMPass(CompilePass):
@@ -74,7 +72,7 @@ def _applies(x, weight) -> bool:
         return False
     if xv.device.type != "cuda" or xv.dim() != 2 or wv.dim() != 2 or xv.dtype != wv.dtype:
         return False
-    if not statically_known_true(wv.stride(1) == 1) or not statically_known_true(wv.numel() <= MAX_WEIGHT_ELEMENTS):
+    if not statically_known_true(wv.stride(1) == 1):
         return False
     m = xv.shape[0]
     return not isinstance(m, int) or m <= MAX_ROWS

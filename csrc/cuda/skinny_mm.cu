@@ -1,12 +1,15 @@
-// skinny_mm: y = x @ weight.T for a few rows of x (decode at batch 1-4), CUDA cores.
+// skinny_mm: y = x @ weight.T for one or two rows of x (decode at batch 1-2), CUDA cores.
 //
-// At M = 1..4 a linear layer is a stream over its weight: every byte is read once and used for M
-// multiply-adds. cuBLAS's tile choice for some shapes leaves SMs idle (on an H100, Llama-3.1-8B's
-// 4096 x 4096 o_proj ran at ~54% of copy bandwidth at M = 1, on 64 CTAs). Here one warp computes
-// one output column n (one row of weight): its lanes issue kLoads 16-byte loads of that row at
-// once, then multiply them with the matching slices of x's M rows (L1-cached: every warp reads
-// the same x) and reduce across the warp. Thousands of warps keep the memory system busy on any
-// shape; the weight is read exactly once.
+// At M <= 2 a linear layer is a stream over its weight: every byte is read once and used for M
+// multiply-adds. cuBLAS's tile choices leave bandwidth unused on some shapes (on an H100 at
+// M = 1, Llama-3.1-8B's 4096 x 4096 o_proj ran at ~67% of copy bandwidth on 64 CTAs). Here one
+// warp computes one output column n (one row of weight) and walks it in steps of kLoads
+// 16-byte loads per lane, multiplying each step with the matching slices of x (L1-cached: every
+// warp reads the same x) before a warp reduction. Small steps keep registers low, so many warps
+// are resident per SM and the memory system always has loads queued; measured on an H100 over
+// 4/8/16 loads x 4/8 warps per block x 3 occupancy hints, 4 loads x 4 warps was fastest or
+// within 2% on every Llama-3.1-8B and SmolLM2-135M layer shape at M = 1
+// (benchmarks/bench_skinny_mm.py has the comparison with cuBLAS).
 //
 // More than kMaxRows rows, or layouts the kernel does not take (unaligned, strided K, mixed
 // dtypes), go to at::mm: the op is correct for every input, the kernel is the fast path.
@@ -22,9 +25,9 @@
 namespace compilelm::cuda {
 namespace {
 
-constexpr int kMaxRows = 4;   // M above this: cuBLAS (the weight's bytes are no longer the whole cost)
-constexpr int kWarps = 8;     // warps (output columns) per block
-constexpr int kLoads = 16;    // 16-byte weight loads in flight per lane
+constexpr int kMaxRows = 2;   // M above this: cuBLAS (at M = 2 the kernel is already only level with it on 8B shapes)
+constexpr int kWarps = 4;     // warps (output columns) per block
+constexpr int kLoads = 4;     // 16-byte weight loads in flight per lane, per step
 
 __device__ __forceinline__ uint4 load_weight(const void* ptr) {  // read once: keep it out of L1
   uint4 v;
@@ -86,11 +89,10 @@ void launch(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   const int n = static_cast<int>(w.size(0)), k = static_cast<int>(w.size(1));
   const dim3 grid((n + kWarps - 1) / kWarps), block(kWarps * 32);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  switch (x.size(0)) {
-    case 1: skinny_mm_kernel<T, 1><<<grid, block, 0, stream>>>(xp, x.stride(0), wp, w.stride(0), yp, y.stride(0), n, k); break;
-    case 2: skinny_mm_kernel<T, 2><<<grid, block, 0, stream>>>(xp, x.stride(0), wp, w.stride(0), yp, y.stride(0), n, k); break;
-    case 3: skinny_mm_kernel<T, 3><<<grid, block, 0, stream>>>(xp, x.stride(0), wp, w.stride(0), yp, y.stride(0), n, k); break;
-    default: skinny_mm_kernel<T, 4><<<grid, block, 0, stream>>>(xp, x.stride(0), wp, w.stride(0), yp, y.stride(0), n, k); break;
+  if (x.size(0) == 1) {
+    skinny_mm_kernel<T, 1><<<grid, block, 0, stream>>>(xp, x.stride(0), wp, w.stride(0), yp, y.stride(0), n, k);
+  } else {
+    skinny_mm_kernel<T, 2><<<grid, block, 0, stream>>>(xp, x.stride(0), wp, w.stride(0), yp, y.stride(0), n, k);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
