@@ -11,6 +11,7 @@ from compilelm.runtime.sampler import (
     apply_top_k_top_p_min_p,
     gather_logprobs,
     sample,
+    two_stage_argmax,
 )
 from compilelm.sampling_params import SamplingParams
 
@@ -28,6 +29,24 @@ def test_greedy_is_argmax():
     out = Sampler()(logits, reqs)
     assert out.token_ids == logits.argmax(-1).tolist()
     assert out.logprobs == [None] * 6
+
+
+@pytest.mark.parametrize("vocab, chunk", [(49152, 256), (128256, 256), (151936, 1187)])
+def test_two_stage_argmax_is_argmax(vocab, chunk):
+    """The CUDA greedy path (max over pieces, then over the pieces' maxima) picks what argmax
+    picks: random rows, ties (the first index wins, also across pieces), a NaN (it counts as
+    the maximum, as in torch.argmax), an all -inf row."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=g)
+    x[1, 7] = x[1, chunk + 3] = x[1, -1] = 50.0  # a tie across pieces
+    x[2, chunk - 1] = x[2, chunk - 2] = 60.0  # a tie inside one piece
+    x[3, vocab // 2] = float("nan")
+    x[4] = float("-inf")
+    x[5, -1] = 99.0  # the last column
+    want = x.argmax(-1)
+    got = two_stage_argmax(x, chunk)
+    assert got.dtype == torch.int64 and got.tolist() == want.tolist()
+    assert got.tolist()[1:4] == [7, chunk - 2, vocab // 2]
 
 
 def test_sampler_leaves_logits_untouched():
