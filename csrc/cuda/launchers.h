@@ -29,7 +29,6 @@ struct SplitParams {
   int num_splits;      // 1: the decode kernel wrote the output itself
   float* partial_out;  // [rows, num_heads, num_splits, head_size]
   float* partial_lse;  // [rows, num_heads, num_splits], log2 of each split's softmax denominator
-  int* arrivals;       // all_rows with splits: per decode program group, splits done (zeroed; the last merges)
 };
 
 // Launchers (host side, on the current stream; `query` gives dtype and device).

@@ -10,7 +10,7 @@
 // of programs that exit at once). Shapes the tiled kernel does not cover (fp32, head sizes
 // other than 64/128) run every row through the decode kernel, one row per program; so does a
 // batch the caller declares pure decode (max_query_len == 1, e.g. a full decode CUDA graph),
-// which then costs the decode kernel alone (its last split program per row merges): no prefill launch.
+// which then costs the decode kernel and, if it split, a small merge kernel: no prefill launch.
 //
 // Values are trusted, as in any kernel that must not sync: cu_seqlens_q non-decreasing from 0,
 // q_len <= seq_len <= max_blocks * block_size, block ids inside the cache (the CPU kernel

@@ -9,11 +9,9 @@
 //
 // Split-K (flash-decoding): with few programs per SM (small batch, long context) the context
 // of each row is cut into num_splits equal chunks; each split writes its normalized partial
-// output and log2-sum-exp to a workspace; the prefill kernel, launched next, merges them. With
-// all rows on this kernel (a pure-decode batch) there is no prefill kernel: the split programs
-// of a (row, kv head) count their arrivals in a zeroed array, and the last to arrive merges (no
-// second kernel, whose launch cost a decode step ~4 us per layer). num_splits comes from shapes
-// only (never from seq_lens values), so the launch is CUDA-graph capturable.
+// output and log2-sum-exp to a workspace; the prefill kernel, launched next, merges them (the
+// all-rows fallback launches a merge kernel). num_splits comes from shapes only (never from
+// seq_lens values), so the launch is CUDA-graph capturable.
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -46,7 +44,6 @@ struct DecodeTile {
   static constexpr int kGroups = kWarps * (32 / kLanes);          // row groups per program
   static constexpr int kUnroll = GP >= 8 ? 2 : 4;                 // rows in flight per row group
   static_assert(D % (kVec * kLanes) == 0 && 32 % kLanes == 0, "unsupported head_size");
-  static_assert(kGroups * GP * D >= kMaxSplits, "s_acc doubles as the merge's scratch");
 };
 
 template <typename T, int D, int GP>
@@ -72,7 +69,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 
   int token, seq, num_keys;
   if (!locate_row(p, s.all_rows, row, token, seq, num_keys)) {
-    if (s.all_rows && split == 0 && row < p.num_tokens) {
+    if (s.all_rows && s.num_splits == 1 && row < p.num_tokens) {
       zero_rows<T>(p, row, 1, head0, num_q);  // padding row
     }
     return;
@@ -246,17 +243,15 @@ __global__ void __launch_bounds__(kWarps * 32)
       if (d == 0) s.partial_lse[partial] = denom > 0.f ? m_max + log2f(denom) : -INFINITY;
     }
   }
-  if (s.arrivals == nullptr) return;
-  // The last split of this (row, kv head, head chunk) to finish merges the splits' partials.
-  __shared__ bool s_last;
-  __threadfence();  // this program's partials are visible before its arrival is counted
-  __syncthreads();
-  if (threadIdx.x == 0) s_last = atomicAdd(&s.arrivals[blockIdx.x], 1) == s.num_splits - 1;
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  float* s_weight = &s_acc[0][0][0];  // free again: kMaxSplits floats of scratch
-  for (int g = 0; g < num_q; ++g) merge_splits<T>(p, s, row, head0 + g, s_weight);
+}
+
+// Merges the splits of (row, head) = divmod(program, num_heads): the all-rows fallback has no
+// prefill kernel to do it.
+template <typename T>
+__global__ void __launch_bounds__(128)
+    paged_attention_merge_kernel(const AttentionParams p, const SplitParams s) {
+  __shared__ float s_weight[kMaxSplits];
+  merge_splits<T>(p, s, blockIdx.x / p.num_heads, blockIdx.x % p.num_heads, s_weight);
 }
 
 // Split count minimizing waves(s) x (keys per split + a program's fixed cost), where waves(s)
@@ -292,22 +287,20 @@ SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_r
   const int chunks = (p.group + GP - 1) / GP;
   const int splits = choose_num_splits(static_cast<int64_t>(rows) * p.num_kv_heads * chunks, capacity, max_context);
 
-  SplitParams s{all_rows, splits, nullptr, nullptr, nullptr};
-  const int64_t groups = static_cast<int64_t>(rows) * p.num_kv_heads * chunks;
+  SplitParams s{all_rows, splits, nullptr, nullptr};
   if (splits > 1) {  // workspace from torch's caching allocator: stream-ordered, capture-safe
     const int64_t partials = static_cast<int64_t>(rows) * p.num_heads * splits;
-    const int64_t counters = all_rows ? groups : 0;  // arrival counts, zeroed below
-    workspace = at::empty({partials * (p.head_size + 1) + counters}, query.options().dtype(at::kFloat));
+    workspace = at::empty({partials * (p.head_size + 1)}, query.options().dtype(at::kFloat));
     s.partial_out = workspace.mutable_data_ptr<float>();
     s.partial_lse = s.partial_out + partials * p.head_size;
-    if (all_rows) {
-      s.arrivals = reinterpret_cast<int*>(s.partial_lse + partials);
-      C10_CUDA_CHECK(cudaMemsetAsync(s.arrivals, 0, counters * sizeof(int), c10::cuda::getCurrentCUDAStream()));
-    }
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  kernel<<<dim3(groups, splits), kWarps * 32, 0, stream>>>(p, s);
+  kernel<<<dim3(rows * p.num_kv_heads * chunks, splits), kWarps * 32, 0, stream>>>(p, s);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (all_rows && splits > 1) {
+    paged_attention_merge_kernel<T><<<rows * p.num_heads, 128, 0, stream>>>(p, s);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   return s;
 }
 
