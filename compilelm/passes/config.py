@@ -18,7 +18,7 @@ class PassConfig:
     fuse_act_quant: bool = True  # SiluMulQuantFusionPass: silu_and_mul + fp8 quant -> one op
     fuse_allreduce_rms: bool = True  # AllReduceRMSNormFusionPass: TP all-reduce + add + rms_norm -> one op
     unfuse_residual_addmm: bool = True  # UnfuseResidualAddmmPass (CUDA): addmm(residual, x, w) -> mm + add
-    skinny_mm: bool = True  # SkinnyMMPass (CUDA): a linear's mm -> compilelm.skinny_mm (weight streamed at M <= 4)
+    skinny_mm: bool = True  # SkinnyMMPass (CUDA): a linear's mm -> compilelm.skinny_mm (weight streamed at M <= 2)
 
     def __post_init__(self):
         for f in fields(self):
