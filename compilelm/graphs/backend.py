@@ -44,6 +44,7 @@ class CompilelmBackend:
         self.dumper = dumper
         self.fresh = dumper is not None  # --dump compiles everything, so every pass runs
         self.dry_run = True
+        self.mutated_inputs: list[int] = []  # whole-graph AOT: inputs whose new values lead the outputs
         self.recipe: list | None = None
         self.graph_fn = None
         self.runners: dict[str, PieceRunner] = {}  # call site -> runner
@@ -79,6 +80,7 @@ class CompilelmBackend:
         ) and all(o.output_type.name == "non_alias" for o in meta.output_info)
         if not plain:  # inputs mutated / outputs aliasing: keep Dynamo + AOT's wrappers in the loop
             self.recipe = None
+            self.mutated_inputs = list(meta.mutated_inp_runtime_indices)
         self._compile_aten(gm)
         return make_boxed_func(self._run)
 
@@ -111,8 +113,8 @@ class CompilelmBackend:
             self.dumper.write("05_stitched_graph.py", src)
 
     def _run(self, *args):
-        if self.dry_run:
-            return (SENTINEL,) * self.n_outputs
+        if self.dry_run:  # mutated inputs come back unchanged: AOT's epilogue copies them onto themselves
+            return tuple(args[i] for i in self.mutated_inputs) + (SENTINEL,) * (self.n_outputs - len(self.mutated_inputs))
         return self.graph_fn(*args)
 
     def _compile_pieces(self, pieces) -> tuple[dict[str, PieceRunner], dict]:

@@ -87,6 +87,24 @@ def test_a_piece_mutating_an_input_is_not_lowered_piecewise(model_cls, lowered):
         assert ops.count(torch.ops.compilelm_test.attention.default) == 2 and torch.ops.aten.mm.default in ops
 
 
+def test_a_model_mutating_a_buffer_compiles_through_whole_graph_aot(make_config):
+    """The fallback end to end: the dry run hands the mutated buffer back unchanged, and at run
+    time AOT's wrappers apply the mutation (Dynamo stays on the call path)."""
+    model = CountingToyModel(num_layers=2)
+    reference = CountingToyModel(num_layers=2)
+    reference.load_state_dict(model.state_dict())
+    cm = CompiledModel(model, make_config(), {"toy": "mutating"})
+    fn = cm.compile()
+    assert cm.mode == "cold (dynamo runtime)"
+    before = model.calls.item()
+    assert before == reference.calls.item() == 0  # the traced call was a dry run: nothing mutated
+    with torch.no_grad():
+        for n in (3, 9):
+            ids, pos = inputs(n, seed=n)
+            torch.testing.assert_close(fn(ids, pos), reference(ids, pos), rtol=1e-5, atol=1e-5)
+    assert model.calls.item() == before + 2
+
+
 def _rope_like(x, w):
     return torch.cat([x * w, -x], -1).relu()
 
