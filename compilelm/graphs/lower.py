@@ -102,17 +102,12 @@ def _copy_in(graph: torch.fx.Graph, root: torch.nn.Module, constants: dict, piec
     """Copies the piece's nodes into `graph` with its placeholders bound to `args`; returns the
     nodes of its outputs. Lifted constants (get_attr) become attributes of `root`, once each."""
     env: dict[torch.fx.Node, torch.fx.Node] = dict(zip(piece.graph.find_nodes(op="placeholder"), args))
-    for node in piece.graph.nodes:
-        if node.op == "output":
-            return list(torch.fx.map_arg(node.args[0], lambda a: env[a]))
-        if node.op == "get_attr":
-            name = constants.setdefault((id(piece), node.target), f"_lowered_constant_{len(constants)}")
-            setattr(root, name, getattr(piece, node.target))
-            env[node] = graph.get_attr(name)
-            env[node].meta = dict(node.meta)
-        elif node.op != "placeholder":
-            env[node] = graph.node_copy(node, lambda a: env[a])
-    raise AssertionError("graph without output")
+    for node in piece.graph.find_nodes(op="get_attr"):
+        name = constants.setdefault((id(piece), node.target), f"_lowered_constant_{len(constants)}")
+        setattr(root, name, getattr(piece, node.target))
+        env[node] = graph.get_attr(name)
+        env[node].meta = dict(node.meta)
+    return list(graph.graph_copy(piece.graph, env))
 
 
 def _fresh_outputs(output: torch.fx.Node, at_site: dict[str, AtenPiece]) -> bool:

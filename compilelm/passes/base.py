@@ -140,43 +140,48 @@ def trace_pattern(fn: Callable, args, **kwargs) -> torch.fx.GraphModule:
     shapes, to check it; in a whole-model graph the 30 layers' matches have the same shapes. So
     traces are kept per fake mode (one compile) and key (the function, and each argument's
     dtype / shape / stride / device or value), and each caller gets its own copy of the graph."""
-    from compilelm.passes.noop_elimination import NoOpEliminationPass
-
     mode, key = torch._guards.detect_fake_mode(args), _trace_key(fn, args, kwargs)
-    traces = _traces.setdefault(mode, {}) if mode is not None and key is not None else {}
-    gm = traces.get(key)
-    if gm is None:
-        gm = pm.fwd_only(fn, args, run_functional_passes=False, **kwargs)
-        NoOpEliminationPass().run(gm.graph)
-        gm.recompile()
-        if key is None or mode is None:
-            return gm
-        traces[key] = gm
+    if mode is None or key is None:
+        return _trace(fn, args, kwargs)
+    traces = _traces.setdefault(mode, {})
+    if key not in traces:
+        traces[key] = _trace(fn, args, kwargs)
     graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return torch.fx.GraphModule(gm, graph)
+    graph.output(graph.graph_copy(traces[key].graph, {}))
+    return torch.fx.GraphModule(traces[key], graph)
 
 
 _traces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fake mode -> {key: traced graph}
 
 
+def _trace(fn: Callable, args, kwargs) -> torch.fx.GraphModule:
+    from compilelm.passes.noop_elimination import NoOpEliminationPass
+
+    gm = pm.fwd_only(fn, args, run_functional_passes=False, **kwargs)
+    NoOpEliminationPass().run(gm.graph)
+    gm.recompile()
+    return gm
+
+
 def _trace_key(fn: Callable, args, kwargs) -> tuple | None:
     """What a trace depends on, or None if that cannot be told (then it is not kept). The
     matcher's wrappers are fresh closures per match: the functions they close over count."""
+    from compilelm.graphs.piecewise import describe  # dtype[shape]/[stride]@device, Sym(s0)
+
     code = getattr(fn, "__code__", None)
     if code is None:
         return None
     cells = tuple(id(c.cell_contents) for c in fn.__closure__ or () if callable(c.cell_contents))
 
-    def describe(a):
+    def arg_key(a):
         if isinstance(a, torch.Tensor):
-            return (str(a.dtype), str(tuple(a.shape)), str(a.stride()), str(a.device), a.requires_grad)
+            return describe(a), a.requires_grad
         if isinstance(a, (torch.SymInt, torch.SymFloat, int, float, bool, str, type(None))):
-            return (type(a).__name__, str(a))
+            return type(a).__name__, str(a)
         raise TypeError
 
     try:
-        return code, cells, tuple(describe(a) for a in args), tuple((k, id(v)) for k, v in sorted(kwargs.items()))
+        return code, cells, tuple(arg_key(a) for a in args), tuple((k, id(v)) for k, v in sorted(kwargs.items()))
     except TypeError:
         return None
 

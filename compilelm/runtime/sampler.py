@@ -11,6 +11,7 @@ generator, so its tokens do not depend on what else is in the batch.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -134,10 +135,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     Llama-3's 128,256 logits), while a max over `chunk`-wide pieces, then the argmax of the
     pieces' maxima, keeps the whole GPU busy."""
     n, vocab = x.shape
-    chunk = _argmax_chunk(vocab)
-    if not x.is_cuda or n > 8 or chunk is None:
-        return x.argmax(dim=-1)
-    return two_stage_argmax(x, chunk)
+    chunk = _argmax_chunk(vocab) if x.is_cuda and n <= 8 else None
+    return x.argmax(dim=-1) if chunk is None else two_stage_argmax(x, chunk)
 
 
 def two_stage_argmax(x: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -147,6 +146,7 @@ def two_stage_argmax(x: torch.Tensor, chunk: int) -> torch.Tensor:
     return (piece * chunk + within.gather(1, piece)).squeeze(1)
 
 
+@functools.lru_cache(maxsize=None)  # per vocabulary size: the search is ~1000 modulos for some sizes
 def _argmax_chunk(vocab: int) -> int | None:
     """The narrowest piece of 256..2048 columns that divides the row (None: there is none)."""
     return next((c for c in range(256, 2049) if vocab % c == 0 and vocab // c >= 16), None)
