@@ -212,3 +212,27 @@ def test_tp_size_that_does_not_split_the_model_names_the_flag(capsys):
     rc = main(["generate", "hi", "--model", "dummy:smollm2-135m", "--tensor-parallel-size", "2", "--enforce-eager"])
     err = capsys.readouterr().err
     assert rc == 2 and "--tensor-parallel-size" in err and "9 attention heads" in err, err
+
+
+def test_failed_rank_reports_then_leaves_the_group_with_the_driver():
+    """A rank whose call raised sends its traceback, answers later calls with an error instead
+    of hanging the driver, and leaves the process group only at the driver's shutdown (NCCL's
+    teardown waits for every rank): its process then exits cleanly."""
+    from compilelm.llm import make_engine_config
+    from compilelm.runtime.executor import Executor
+    config = make_engine_config("dummy:qwen3-0.6b", model_overrides=QWEN3[1], tensor_parallel_size=2,
+                                max_model_len=128, enforce_eager=True)
+    executor = Executor(config)
+    proc, conn = executor.procs[0], executor.conns[0]
+    try:
+        conn.send(("no_such_method", (), True))
+        with pytest.raises(RuntimeError, match="(?s)rank 1 failed:.*no_such_method"):
+            executor._reply(1)
+        conn.send(("num_kv_blocks", (), True))
+        with pytest.raises(RuntimeError, match="failed earlier"):
+            executor._reply(1)
+        assert proc.is_alive()  # still in the group, waiting for the driver's shutdown
+    finally:
+        executor.shutdown()
+    proc.join(timeout=30)
+    assert proc.exitcode == 0

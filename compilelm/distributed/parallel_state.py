@@ -36,10 +36,16 @@ def init_distributed(rank: int, world_size: int, init_method: str, device: torch
     logger.debug("rank %d of %d joined (%s)", rank, world_size, backend)
 
 
-def destroy_distributed() -> None:
+def destroy_distributed(abort: bool = False) -> None:
+    """Leaves the group. NCCL's teardown waits for the peers' (a rank that destroys alone, after
+    its peers have exited, hangs there): every rank calls this at the same time, or, when a peer
+    is gone, passes `abort` (NCCL's local abort; gloo just destroys)."""
     global _TP_RANK, _TP_SIZE
     if dist.is_initialized():
-        dist.destroy_process_group()
+        if abort and dist.get_backend() == "nccl":
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
     _TP_RANK, _TP_SIZE = 0, 1
 
 

@@ -136,11 +136,15 @@ class Executor:
 def _stop_ranks(procs: list, conns: list) -> None:
     if not procs:  # one rank: no processes, no process group
         return
+    all_alive = all(proc.is_alive() for proc in procs)
     for conn in conns:
         try:
             conn.send(("shutdown", (), False))
         except OSError:
             pass
+    # every rank leaves the group now, together (NCCL's teardown waits for the peers'); with a
+    # rank already gone, this one aborts alone
+    destroy_distributed(abort=not all_alive)
     for proc in procs:
         proc.join(timeout=10)
         if proc.is_alive():
@@ -150,4 +154,3 @@ def _stop_ranks(procs: list, conns: list) -> None:
         conn.close()
     procs.clear()
     conns.clear()
-    destroy_distributed()

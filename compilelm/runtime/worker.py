@@ -80,6 +80,7 @@ class Worker:
 def worker_main(config: EngineConfig, rank: int, init_method: str, conn) -> None:
     """A rank > 0 process: build the Worker, then run what the driver sends until it goes away.
     Messages: (method, args, want_reply); replies: ("ok", result) or ("error", traceback)."""
+    abort = False  # leave the group alone (the driver is gone) instead of with the driver
     try:
         conn.send(("ok", None))  # started: the driver may now wait in the rendezvous
         worker = Worker(config, rank, init_method)
@@ -92,11 +93,26 @@ def worker_main(config: EngineConfig, rank: int, init_method: str, conn) -> None
             if want_reply:
                 conn.send(("ok", result))
     except (EOFError, KeyboardInterrupt):  # the driver is gone
-        pass
+        abort = True
     except BaseException:
         try:
             conn.send(("error", traceback.format_exc()))
+            abort = not _await_shutdown(conn)
         except OSError:
-            pass
+            abort = True
     finally:
-        destroy_distributed()
+        destroy_distributed(abort=abort)
+
+
+def _await_shutdown(conn) -> bool:
+    """After a failure: answer every call with an error until the driver's shutdown (True: the
+    driver tears the group down with us) or its exit (False)."""
+    try:
+        while True:
+            method, _, want_reply = conn.recv()
+            if method == "shutdown":
+                return True
+            if want_reply:
+                conn.send(("error", "this rank failed earlier (its traceback was sent then)"))
+    except (EOFError, OSError):
+        return False
