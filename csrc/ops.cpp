@@ -53,6 +53,13 @@ TORCH_LIBRARY(compilelm, m) {
   // x: [M, K], weight: [N, K] (a linear layer's weight) -> x @ weight.T: [M, N]. The CUDA kernel
   // serves M <= 2 (decode at batch 1-2) by streaming the weight once; other inputs use at::mm.
   m.def("skinny_mm(Tensor x, Tensor weight) -> Tensor");
+  // rms_norm(x) @ weight.T, and with residual: residual_out = x + residual;
+  // (rms_norm(residual_out) @ weight.T, residual_out). norm_weight: [K]. The norm's roundings are
+  // those of compilelm.layers.layernorm.rms_norm; the CUDA kernel does norm and GEMV in one pass at M <= 2.
+  m.def("rms_norm_skinny_mm(Tensor x, Tensor norm_weight, float eps, Tensor weight) -> Tensor");
+  m.def(
+      "fused_add_rms_norm_skinny_mm(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight) "
+      "-> (Tensor, Tensor)");
 
   // One-shot all-reduce over peer memory, CUDA only (csrc/cuda/allreduce_kernels.cu); called by
   // compilelm/distributed/custom_all_reduce.py, which owns the buffers: buffer_ptrs = every rank's

@@ -1,13 +1,17 @@
-"""skinny_mm: `x @ weight.T` for a linear layer at one or two rows (decode at batch 1-2).
+"""skinny_mm: `x @ weight.T` for a linear layer at one or two rows (decode at batch 1-2), alone
+or after the RMSNorm (and residual add) that feeds it.
 
-Schema in csrc/ops.cpp; the CUDA kernel (csrc/cuda/skinny_mm.cu) streams the weight once with
-one warp per output column and takes M <= 2, handing larger M to cuBLAS. On CPU it is the matmul
-itself. `SkinnyMMPass` puts it in place of the compiled graphs' linear matmuls on CUDA, and the
-LM head calls it directly.
+Schemas in csrc/ops.cpp; the CUDA kernel (csrc/cuda/skinny_mm.cu) streams the weight once with
+one warp per output column and takes M <= 2, handing larger M to cuBLAS (after the norm kernel
+for the norm ops). On CPU they are the torch compositions. `SkinnyMMPass` puts skinny_mm in place
+of the compiled graphs' linear matmuls on CUDA, `RMSNormSkinnyMMFusionPass` folds the norm before
+them in, and the LM head calls skinny_mm directly.
 """
 
 import torch
 from torch import Tensor
+
+from compilelm.layers.layernorm import rms_norm
 
 
 def skinny_mm(x: Tensor, weight: Tensor) -> Tensor:
@@ -29,3 +33,53 @@ def _(x, weight):
     torch._check(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1],
                  lambda: f"skinny_mm: x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def rms_norm_skinny_mm(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor) -> Tensor:
+    # x: [M, K]; norm_weight: [K]; weight: [N, K] -> rms_norm(x) @ weight.T: [M, N]
+    return torch.ops.compilelm.rms_norm_skinny_mm.default(x, norm_weight, eps, weight)
+
+
+def rms_norm_skinny_mm_ref(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor) -> Tensor:
+    return skinny_mm_ref(rms_norm(x, norm_weight, eps), weight)
+
+
+def fused_add_rms_norm_skinny_mm(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float,
+                                 weight: Tensor) -> tuple[Tensor, Tensor]:
+    # -> (rms_norm(x + residual) @ weight.T: [M, N], x + residual: [M, K])
+    return torch.ops.compilelm.fused_add_rms_norm_skinny_mm.default(x, residual, norm_weight, eps, weight)
+
+
+def fused_add_rms_norm_skinny_mm_ref(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float,
+                                     weight: Tensor) -> tuple[Tensor, Tensor]:
+    residual = x + residual
+    return rms_norm_skinny_mm_ref(residual, norm_weight, eps, weight), residual
+
+
+@torch.library.register_kernel("compilelm::rms_norm_skinny_mm", "cpu")
+def _(x, norm_weight, eps, weight):
+    return rms_norm_skinny_mm_ref(x, norm_weight, eps, weight)
+
+
+@torch.library.register_kernel("compilelm::fused_add_rms_norm_skinny_mm", "cpu")
+def _(x, residual, norm_weight, eps, weight):
+    return fused_add_rms_norm_skinny_mm_ref(x, residual, norm_weight, eps, weight)
+
+
+def _check_norm_mm(x, norm_weight, weight, op):
+    torch._check(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
+                 and norm_weight.shape == (x.shape[1],),
+                 lambda: f"{op}: x must be [M, K], norm_weight [K] and weight [N, K], got {tuple(x.shape)}, "
+                         f"{tuple(norm_weight.shape)} and {tuple(weight.shape)}")
+
+
+@torch.library.register_fake("compilelm::rms_norm_skinny_mm")
+def _(x, norm_weight, eps, weight):
+    _check_norm_mm(x, norm_weight, weight, "rms_norm_skinny_mm")
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.register_fake("compilelm::fused_add_rms_norm_skinny_mm")
+def _(x, residual, norm_weight, eps, weight):
+    _check_norm_mm(x, norm_weight, weight, "fused_add_rms_norm_skinny_mm")
+    return x.new_empty((x.shape[0], weight.shape[0])), x.new_empty(x.shape)

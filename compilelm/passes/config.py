@@ -19,6 +19,7 @@ class PassConfig:
     fuse_allreduce_rms: bool = True  # AllReduceRMSNormFusionPass: TP all-reduce + add + rms_norm -> one op
     unfuse_residual_addmm: bool = True  # UnfuseResidualAddmmPass (CUDA): addmm(residual, x, w) -> mm + add
     skinny_mm: bool = True  # SkinnyMMPass (CUDA): a linear's mm -> compilelm.skinny_mm (weight streamed at M <= 2)
+    fuse_norm_skinny_mm: bool = True  # RMSNormSkinnyMMFusionPass (CUDA): (add +) rms_norm + skinny_mm -> one op
 
     def __post_init__(self):
         for f in fields(self):

@@ -4,7 +4,8 @@ Inductor's `post_grad_custom_post_pass` for every piece.
 Order (documented, fixed):
 
     whole graph (before the split):  NoOpElimination, <whole-graph fusions>, <custom whole-graph>
-    post-grad (per piece):           NoOpElimination, UnfuseResidualAddmm, SkinnyMM, <fusions>, <custom post-grad>,
+    post-grad (per piece):           NoOpElimination, UnfuseResidualAddmm, SkinnyMM, RMSNormSkinnyMM, <fusions>,
+                                     <custom post-grad>,
                                      then always the tail: Cleanup, InplaceLowering, Cleanup
 
 Custom passes ("module:Class", optionally ",stage=whole_graph|post_grad" and ",before=Pass" or
@@ -44,6 +45,9 @@ class PassManager(CustomGraphPass):
         if config.skinny_mm:  # after the unfuse: it makes the mms this one routes
             from compilelm.passes.skinny_mm import SkinnyMMPass
             self.post_grad.append(SkinnyMMPass(config))
+        if config.fuse_norm_skinny_mm:  # after SkinnyMM: it fuses into the skinny_mm nodes
+            from compilelm.passes.fuse_norm_skinny_mm import RMSNormSkinnyMMFusionPass
+            self.post_grad.append(RMSNormSkinnyMMFusionPass(config))
         # Fusion passes are appended here, in order, each behind its PassConfig switch.
         if config.fuse_allreduce_rms:
             from compilelm.passes.fuse_allreduce_rms import AllReduceRMSNormFusionPass

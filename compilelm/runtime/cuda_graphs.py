@@ -33,6 +33,7 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -176,17 +177,25 @@ class CUDAGraphRunner:
         return _next_size(tuple(self.sizes), num_tokens)
 
     @torch.inference_mode()
-    def capture(self, forward_fn, buffers: InputBuffers, kv_caches: dict) -> None:
-        """Captures `forward_fn(input_ids, positions)` at every size, largest first. The dummy
-        batch decodes one token per sequence over the null block and writes no KV (slot -1)."""
+    def capture(self, forward_fn, buffers: InputBuffers, kv_caches: dict, warm_sizes: Iterable[int] = ()) -> None:
+        """Captures `forward_fn(input_ids, positions)` at every size, largest first. An uncaptured
+        warm-up run (lazy initialisation, Triton autotuning) comes before the first size and the
+        sizes in `warm_sizes` (sizes that run other code). The dummy batch decodes one token per
+        sequence over the null block and writes no KV (slot -1).
+
+        `capture_begin` on our stream, not the `torch.cuda.graph` context: that one runs
+        gc.collect() and empties the allocator's cache before every capture (~35 of them)."""
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # capture empties the allocator's cache: do it first, measure the pool alone
         free_before, t0 = torch.cuda.mem_get_info()[0], time.perf_counter()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()  # the legacy default stream cannot be captured
+        warm = set(warm_sizes)
         bar = tqdm(sorted(self.sizes, reverse=True), desc="compilelm: capturing full CUDA graphs", unit="graph",
                    disable=True if get_tp_rank() > 0 else None)  # one bar: rank 0's
-        for size in bar:
+        for i, size in enumerate(bar):
             ones = np.ones(size, dtype=np.int64)
             dummy = HostBatch(input_ids=ones * 0, positions=ones * 0, slot_mapping=-ones,
                               cu_seqlens_q=np.arange(size + 1, dtype=np.int32), seq_lens=np.ones(size, np.int32),
@@ -194,11 +203,17 @@ class CUDAGraphRunner:
                               max_query_len=1)
             input_ids, positions, meta, _ = buffers.load(dummy, size, size, buffers.max_blocks)
             with set_forward_context(ForwardContext(meta, kv_caches)):
-                forward_fn(input_ids, positions)  # warm-up: lazy initialisation, Triton autotuning
-                torch.cuda.synchronize()
+                if i == 0 or size in warm:
+                    forward_fn(input_ids, positions)
+                    torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                    out = forward_fn(input_ids, positions)
+                self.stream.wait_stream(torch.cuda.current_stream())  # the inputs' copies
+                with torch.cuda.stream(self.stream):
+                    graph.capture_begin(pool=self.pool)
+                    try:
+                        out = forward_fn(input_ids, positions)
+                    finally:
+                        graph.capture_end()
             self.graphs[size] = (graph, out)
             used = free_before - torch.cuda.mem_get_info()[0]
             bar.set_postfix_str(f"{used / 2**20:.0f} MiB, {time.perf_counter() - t0:.1f} s")

@@ -94,15 +94,18 @@ class ModelRunner:
         if not full and not piecewise:
             return
         pool, stream = torch.cuda.graph_pool_handle(), None
+        # sizes with code of their own (static compile sizes) get a warm-up run before capture;
+        # eager steps: every size
+        warm = self.compiled.config.compile_sizes if self.compiled is not None else full
         if piecewise:
             self.piecewise_graphs = PiecewiseGraphs(piecewise, pool)
             self.compiled.wrap_pieces(self.piecewise_graphs.wrap)
             static = [*self.model.parameters(), *self.model.buffers(), *self.buffers.dev.values()]
-            self.piecewise_graphs.capture(self.forward_fn, self.buffers, self.kv_caches, static)
+            self.piecewise_graphs.capture(self.forward_fn, self.buffers, self.kv_caches, static, warm)
             stream = self.piecewise_graphs.stream
         if full:
             self.cuda_graphs = CUDAGraphRunner(full, pool, stream)
-            self.cuda_graphs.capture(self.forward_fn, self.buffers, self.kv_caches)
+            self.cuda_graphs.capture(self.forward_fn, self.buffers, self.kv_caches, warm)
         self.dispatcher = CudaGraphDispatcher(tuple(full), tuple(piecewise))
         measured = sum(g.memory_bytes for g in (self.piecewise_graphs, self.cuda_graphs) if g is not None)
         estimate = graph_memory_estimate(self.model.config, next(self.model.parameters()).dtype, full, piecewise)

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -161,10 +162,13 @@ class PiecewiseGraphs:
         self.debug = logger.isEnabledFor(logging.DEBUG)
 
     @torch.inference_mode()
-    def capture(self, forward_fn, buffers: InputBuffers, kv_caches: dict, static_tensors) -> None:
+    def capture(self, forward_fn, buffers: InputBuffers, kv_caches: dict, static_tensors,
+                warm_sizes: Iterable[int] = ()) -> None:
         """Captures every piece at every size, largest first, by running `forward_fn(input_ids,
-        positions)` once per size: a warm-up (lazy initialisation, Triton autotuning), then the
-        capturing run. The dummy batch is one decode row of the null block plus padding rows."""
+        positions)` once per size. An uncaptured warm-up run comes first (lazy initialisation,
+        loading and autotuning Triton kernels), then again only before the sizes in `warm_sizes`
+        (sizes that run other code: static compile sizes): every other size runs the kernels the
+        first one loaded. The dummy batch is one decode row of the null block plus padding rows."""
         self.begin(static_tensors)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -175,11 +179,13 @@ class PiecewiseGraphs:
                           logits_idx=np.zeros(0, np.int64), max_query_len=1)
         bar = tqdm(sorted(self.sizes, reverse=True), desc="compilelm: capturing piecewise CUDA graphs",
                    unit="size", disable=True if get_tp_rank() > 0 else None)  # one bar: rank 0's
-        for size in bar:
+        warm = set(warm_sizes)
+        for i, size in enumerate(bar):
             input_ids, positions, meta, _ = buffers.load(dummy, size, 1, 1)
             with set_forward_context(ForwardContext(meta, kv_caches)):
-                forward_fn(input_ids, positions)
-                torch.cuda.synchronize()
+                if i == 0 or size in warm:
+                    forward_fn(input_ids, positions)
+                    torch.cuda.synchronize()
                 self.capturing = True
                 try:
                     with self.at_size(size):

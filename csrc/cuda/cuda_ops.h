@@ -53,9 +53,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_quant_fp8(cons
 std::tuple<at::Tensor, at::Tensor> silu_mul_quant_fp8(const at::Tensor& x, const std::optional<at::Tensor>& scale);
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                       const at::Tensor& weight, double eps);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);  // no op of its own: a helper
 
 // skinny_mm.cu
 at::Tensor skinny_mm(const at::Tensor& x, const at::Tensor& weight);
+at::Tensor rms_norm_skinny_mm(const at::Tensor& x, const at::Tensor& norm_weight, double eps, const at::Tensor& weight);
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_skinny_mm(const at::Tensor& x, const at::Tensor& residual,
+                                                                const at::Tensor& norm_weight, double eps,
+                                                                const at::Tensor& weight);
 
 // allreduce_kernels.cu
 at::Tensor custom_all_reduce(const at::Tensor& x, at::IntArrayRef buffer_ptrs, int64_t rank, int64_t buffer_bytes);

@@ -175,4 +175,8 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const
   return {out, residual_out};
 }
 
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return std::get<0>(rms_norm_op(x, nullptr, weight, eps, std::nullopt, /*quant=*/false, "rms_norm"));
+}
+
 }  // namespace compilelm::cuda

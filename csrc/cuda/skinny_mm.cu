@@ -1,4 +1,5 @@
-// skinny_mm: y = x @ weight.T for one or two rows of x (decode at batch 1-2), CUDA cores.
+// skinny_mm: y = x @ weight.T for one or two rows of x (decode at batch 1-2), CUDA cores, alone
+// or after an RMSNorm (rms_norm_skinny_mm, fused_add_rms_norm_skinny_mm).
 //
 // At M <= 2 a linear layer is a stream over its weight: every byte is read once and used for M
 // multiply-adds. cuBLAS's tile choices leave bandwidth unused on some shapes (on an H100 at
@@ -11,8 +12,16 @@
 // within 2% on every Llama-3.1-8B and SmolLM2-135M layer shape at M = 1
 // (benchmarks/bench_skinny_mm.py has the comparison with cuBLAS).
 //
+// rms_norm_skinny_mm / fused_add_rms_norm_skinny_mm put the RMSNorm before a linear (and the
+// residual add before it) into the same kernel: every warp first sums the squares of its rows
+// (x + residual, rounded as the eager add rounds it; the warp of column 0 stores that sum as
+// residual_out), then streams its weight row against the normalized rows, rounded where the
+// unfused norm rounds them. The row's reads hit L1/L2 (every warp reads the same rows); the
+// first weight loads are issued before them. One kernel per norm + linear instead of two.
+//
 // More than kMaxRows rows, or layouts the kernel does not take (unaligned, strided K, mixed
-// dtypes), go to at::mm: the op is correct for every input, the kernel is the fast path.
+// dtypes), go to at::mm (after the norm kernel of fused_ops.cpp for the norm ops): the ops are
+// correct for every input, the kernels are the fast path.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <c10/cuda/CUDAException.h>
@@ -20,6 +29,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "cuda/attention_common.cuh"
+#include "cuda/convert.cuh"
 #include "cuda/cuda_ops.h"
 
 namespace compilelm::cuda {
@@ -37,37 +47,101 @@ __device__ __forceinline__ uint4 load_weight(const void* ptr) {  // read once: k
   return v;
 }
 
-template <typename T, int M>
-__global__ void __launch_bounds__(kWarps * 32)
-    skinny_mm_kernel(const T* __restrict__ x, int64_t x_stride, const T* __restrict__ w, int64_t w_stride,
-                     T* __restrict__ y, int64_t y_stride, int n_cols, int k) {
+enum class Norm { kNone, kRms, kAddRms };
+
+struct SkinnyParams {
+  const void* x;
+  int64_t x_stride;
+  const void* w;
+  int64_t w_stride;
+  void* y;
+  int64_t y_stride;
+  int n_cols, k;
+  // the norm variants: y = rms_norm(x (+ residual)) @ w.T
+  const void* residual = nullptr;
+  int64_t residual_stride = 0;
+  void* residual_out = nullptr;  // [M, k], contiguous
+  const void* norm_weight = nullptr;
+  float eps = 0.f;
+};
+
+template <typename T, int M, Norm kNorm>
+__global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyParams p) {
   constexpr int kVec = 16 / sizeof(T);
   const int n = blockIdx.x * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  if (n >= n_cols) return;
-  const T* row = w + static_cast<int64_t>(n) * w_stride;
-  const int chunks = k / kVec;  // 16-byte chunks of one row
+  if (n >= p.n_cols) return;
+  const T* x = static_cast<const T*>(p.x);
+  const T* row = static_cast<const T*>(p.w) + static_cast<int64_t>(n) * p.w_stride;
+  const int chunks = p.k / kVec;  // 16-byte chunks of one row
 
-  float acc[M];
-#pragma unroll
-  for (int m = 0; m < M; ++m) acc[m] = 0.f;
-  for (int base = lane; base < chunks; base += 32 * kLoads) {
-    uint4 wv[kLoads];
+  uint4 wv[kLoads];
+  const auto load_step = [&](int base) {
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
       const int c = base + i * 32;
       wv[i] = c < chunks ? load_weight(row + c * kVec) : make_uint4(0, 0, 0, 0);
     }
+  };
+  load_step(lane);  // in flight while the norm's statistics are taken
+
+  // h = row m of x (+ residual, rounded to T) at chunk c
+  const auto input = [&](int m, int c, float (&h)[kVec]) {
+    widen<T>(__ldg(reinterpret_cast<const uint4*>(x + m * p.x_stride + c * kVec)), h);
+    if constexpr (kNorm == Norm::kAddRms) {
+      float r[kVec];
+      widen<T>(__ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.residual) + m * p.residual_stride +
+                                                    c * kVec)), r);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) h[e] = round_to<T>(h[e] + r[e]);
+    }
+  };
+  float inv_rms[M];
+  if constexpr (kNorm != Norm::kNone) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float sum_sq = 0.f;
+      for (int c = lane; c < chunks; c += 32) {
+        float h[kVec];
+        input(m, c, h);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) sum_sq += h[e] * h[e];
+        if (kNorm == Norm::kAddRms && n == 0) {
+          T out[kVec];
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) out[e] = from_float<T>(h[e]);
+          *reinterpret_cast<uint4*>(static_cast<T*>(p.residual_out) + m * p.k + c * kVec) =
+              *reinterpret_cast<const uint4*>(out);
+        }
+      }
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, offset);
+      inv_rms[m] = rsqrtf(sum_sq / p.k + p.eps);
+    }
+  }
+
+  float acc[M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) acc[m] = 0.f;
+  for (int base = lane; base < chunks; base += 32 * kLoads) {
+    if (base != lane) load_step(base);
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
       const int c = base + i * 32;
       if (c >= chunks) continue;
-      float wf[kVec];
+      float wf[kVec], gamma[kVec];
       widen<T>(wv[i], wf);
+      if constexpr (kNorm != Norm::kNone) {
+        widen<T>(__ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.norm_weight) + c * kVec)), gamma);
+      }
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         float xf[kVec];
-        widen<T>(__ldg(reinterpret_cast<const uint4*>(x + m * x_stride + c * kVec)), xf);
+        input(m, c, xf);
+        if constexpr (kNorm != Norm::kNone) {  // layernorm.rms_norm's roundings: T(w * T(h * inv_rms))
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) xf[e] = round_to<T>(gamma[e] * round_to<T>(xf[e] * inv_rms[m]));
+        }
 #pragma unroll
         for (int e = 0; e < kVec; ++e) acc[m] += xf[e] * wf[e];
       }
@@ -77,24 +151,29 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int m = 0; m < M; ++m) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], offset);
-    if (lane == 0) y[m * y_stride + n] = from_float<T>(acc[m]);
+    if (lane == 0) static_cast<T*>(p.y)[m * p.y_stride + n] = from_float<T>(acc[m]);
   }
 }
 
-template <typename T>
-void launch(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
-  const auto* xp = reinterpret_cast<const T*>(x.const_data_ptr());
-  const auto* wp = reinterpret_cast<const T*>(w.const_data_ptr());
-  auto* yp = reinterpret_cast<T*>(y.mutable_data_ptr());
-  const int n = static_cast<int>(w.size(0)), k = static_cast<int>(w.size(1));
-  const dim3 grid((n + kWarps - 1) / kWarps), block(kWarps * 32);
+template <typename T, Norm kNorm>
+void launch(const SkinnyParams& p, int64_t rows) {
+  const dim3 grid((p.n_cols + kWarps - 1) / kWarps), block(kWarps * 32);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (x.size(0) == 1) {
-    skinny_mm_kernel<T, 1><<<grid, block, 0, stream>>>(xp, x.stride(0), wp, w.stride(0), yp, y.stride(0), n, k);
+  if (rows == 1) {
+    skinny_mm_kernel<T, 1, kNorm><<<grid, block, 0, stream>>>(p);
   } else {
-    skinny_mm_kernel<T, 2><<<grid, block, 0, stream>>>(xp, x.stride(0), wp, w.stride(0), yp, y.stride(0), n, k);
+    skinny_mm_kernel<T, 2, kNorm><<<grid, block, 0, stream>>>(p);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <Norm kNorm>
+void dispatch(const SkinnyParams& p, at::ScalarType dtype, int64_t rows) {
+  switch (dtype) {
+    case at::kBFloat16: return launch<__nv_bfloat16, kNorm>(p, rows);
+    case at::kHalf: return launch<__half, kNorm>(p, rows);
+    default: return launch<float, kNorm>(p, rows);
+  }
 }
 
 bool aligned_rows(const at::Tensor& t) {  // rows of whole, aligned 16-byte vectors
@@ -103,29 +182,95 @@ bool aligned_rows(const at::Tensor& t) {  // rows of whole, aligned 16-byte vect
          reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
 }
 
+void check_mm(const at::Tensor& x, const at::Tensor& weight, const char* op) {
+  TORCH_CHECK(x.is_cuda() && weight.device() == x.device(), op, ": x and weight must be on one CUDA device, got ",
+              x.device(), " and ", weight.device());
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), op,
+              ": x must be [M, K] and weight [N, K], got ", x.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), op, ": x and weight must have one dtype, got ",
+              x.scalar_type(), " and ", weight.scalar_type());
+}
+
+// The kernel takes x and weight: M <= kMaxRows, a dtype it has, whole aligned 16-byte rows.
+bool fast_path(const at::Tensor& x, const at::Tensor& weight) {
+  const auto dtype = x.scalar_type();
+  return x.size(0) >= 1 && x.size(0) <= kMaxRows && weight.size(0) >= 1 && weight.size(0) < (int64_t{1} << 31) &&
+         weight.size(1) < (int64_t{1} << 31) && (dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat) &&
+         aligned_rows(x) && aligned_rows(weight);
+}
+
+SkinnyParams mm_params(const at::Tensor& x, const at::Tensor& weight, at::Tensor& y) {
+  SkinnyParams p{};
+  p.x = x.const_data_ptr();
+  p.x_stride = x.stride(0);
+  p.w = weight.const_data_ptr();
+  p.w_stride = weight.stride(0);
+  p.y = y.mutable_data_ptr();
+  p.y_stride = y.stride(0);
+  p.n_cols = static_cast<int>(weight.size(0));
+  p.k = static_cast<int>(weight.size(1));
+  return p;
+}
+
+// rms_norm(x (+ residual)) @ weight.T -> (y, residual_out or undefined)
+std::tuple<at::Tensor, at::Tensor> norm_mm(const at::Tensor& x, const at::Tensor* residual,
+                                           const at::Tensor& norm_weight, double eps, const at::Tensor& weight,
+                                           const char* op) {
+  check_mm(x, weight, op);
+  TORCH_CHECK(norm_weight.device() == x.device() && norm_weight.dim() == 1 && norm_weight.size(0) == x.size(1) &&
+                  norm_weight.scalar_type() == x.scalar_type(),
+              op, ": norm_weight must be [", x.size(1), "] ", x.scalar_type(), " on ", x.device(), ", got ",
+              norm_weight.sizes(), " ", norm_weight.scalar_type(), " on ", norm_weight.device());
+  if (residual != nullptr) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type() &&
+                    residual->device() == x.device(),
+                op, ": residual must match x (", x.sizes(), " ", x.scalar_type(), "), got ", residual->sizes(), " ",
+                residual->scalar_type(), " on ", residual->device());
+  }
+  const bool fast = fast_path(x, weight) && (residual == nullptr || aligned_rows(*residual)) &&
+                    norm_weight.stride(0) == 1 && reinterpret_cast<uintptr_t>(norm_weight.const_data_ptr()) % 16 == 0;
+  if (!fast) {  // the norm kernel, then cuBLAS
+    if (residual == nullptr) return {at::mm(rms_norm(x, norm_weight, eps), weight.t()), at::Tensor()};
+    auto [normed, residual_out] = fused_add_rms_norm(x, *residual, norm_weight, eps);
+    return {at::mm(normed, weight.t()), residual_out};
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
+  SkinnyParams p = mm_params(x, weight, y);
+  p.norm_weight = norm_weight.const_data_ptr();
+  p.eps = static_cast<float>(eps);
+  if (residual == nullptr) {
+    dispatch<Norm::kRms>(p, x.scalar_type(), x.size(0));
+    return {y, at::Tensor()};
+  }
+  at::Tensor residual_out = at::empty(x.sizes(), x.options());
+  p.residual = residual->const_data_ptr();
+  p.residual_stride = residual->stride(0);
+  p.residual_out = residual_out.mutable_data_ptr();
+  dispatch<Norm::kAddRms>(p, x.scalar_type(), x.size(0));
+  return {y, residual_out};
+}
+
 }  // namespace
 
 at::Tensor skinny_mm(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(x.is_cuda() && weight.device() == x.device(), "skinny_mm: x and weight must be on one CUDA device, got ",
-              x.device(), " and ", weight.device());
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
-              "skinny_mm: x must be [M, K] and weight [N, K], got ", x.sizes(), " and ", weight.sizes());
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "skinny_mm: x and weight must have one dtype, got ",
-              x.scalar_type(), " and ", weight.scalar_type());
-  const auto dtype = x.scalar_type();
-  const bool fast = x.size(0) >= 1 && x.size(0) <= kMaxRows && weight.size(0) >= 1 && weight.size(0) < (int64_t{1} << 31) &&
-                    weight.size(1) < (int64_t{1} << 31) &&
-                    (dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat) && aligned_rows(x) &&
-                    aligned_rows(weight);
-  if (!fast) return at::mm(x, weight.t());
+  check_mm(x, weight, "skinny_mm");
+  if (!fast_path(x, weight)) return at::mm(x, weight.t());
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
-  switch (dtype) {
-    case at::kBFloat16: launch<__nv_bfloat16>(x, weight, y); break;
-    case at::kHalf: launch<__half>(x, weight, y); break;
-    default: launch<float>(x, weight, y); break;
-  }
+  dispatch<Norm::kNone>(mm_params(x, weight, y), x.scalar_type(), x.size(0));
   return y;
+}
+
+at::Tensor rms_norm_skinny_mm(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
+                              const at::Tensor& weight) {
+  return std::get<0>(norm_mm(x, nullptr, norm_weight, eps, weight, "rms_norm_skinny_mm"));
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_skinny_mm(const at::Tensor& x, const at::Tensor& residual,
+                                                                const at::Tensor& norm_weight, double eps,
+                                                                const at::Tensor& weight) {
+  return norm_mm(x, &residual, norm_weight, eps, weight, "fused_add_rms_norm_skinny_mm");
 }
 
 }  // namespace compilelm::cuda

@@ -78,3 +78,92 @@ def test_skinny_mm_op_cpu_and_opcheck():
     with pytest.raises(RuntimeError, match="skinny_mm"):
         with FakeTensorMode():
             skinny(torch.empty(3, 40), torch.empty(7, 41))
+
+
+# -- RMSNormSkinnyMMFusionPass: the norm (and residual add) before a skinny_mm joins it ----------
+
+EPS = 1e-6
+
+
+def norm_linears(x, residual, n1, n2, w1, w2):
+    """The first layer's input norm + qkv (no residual), then add + post-attention norm + gate_up."""
+    from compilelm.layers.layernorm import rms_norm
+    a = torch.mm(rms_norm(x, n1, EPS), w1.t())
+    r = a + residual
+    return torch.mm(rms_norm(r, n2, EPS), w2.t()), r
+
+
+def norm_shared(x, n1, w1):
+    """The norm's output also feeds something else: it must stay."""
+    from compilelm.layers.layernorm import rms_norm
+    h = rms_norm(x, n1, EPS)
+    return torch.mm(h, w1.t()), h.sum()
+
+
+def trace_decomposed(fn, shapes, dtype):
+    """As Inductor's post-grad graphs look: fake CUDA tensors, symbolic M, Inductor's
+    decompositions, no-op elimination."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    from compilelm.passes.noop_elimination import NoOpEliminationPass
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    with mode:
+        m = mode.shape_env.create_unspecified_symint_and_symbol(shapes[0][0], ConstantSource("m"), DimDynamic.DYNAMIC)
+        args = [torch.empty(m, *s[1:], device="cuda", dtype=dtype) if len(s) == 2 and s[0] == shapes[0][0] else
+                torch.empty(s, device="cuda", dtype=dtype) for s in shapes]
+        gm = make_fx(fn, decomposition_table=select_decomp_table())(*args)
+    NoOpEliminationPass().run(gm.graph)
+    gm.recompile()
+    return gm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_before_skinny_mm_fuse_into_it(dtype):
+    from compilelm.passes.fuse_norm_skinny_mm import RMSNormSkinnyMMFusionPass
+    shapes = [(3, 16), (3, 8), (16,), (8,), (8, 16), (24, 8)]
+    gm = trace_decomposed(norm_linears, shapes, dtype)
+    skinny_pass, fusion = SkinnyMMPass(), RMSNormSkinnyMMFusionPass()
+    skinny_pass(gm.graph)
+    fusion(gm.graph)
+    gm.recompile()
+    assert skinny_pass.matches == 2 and fusion.matches == 2
+    t = targets(gm)
+    assert t.count(torch.ops.compilelm.rms_norm_skinny_mm.default) == 1
+    assert t.count(torch.ops.compilelm.fused_add_rms_norm_skinny_mm.default) == 1
+    assert skinny not in t and aten.mean.dim not in t and aten.rsqrt.default not in t
+    # the rewritten graph on real CPU tensors (the ops' CPU kernels are the references) == eager
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    args[2], args[3] = args[2].abs() + 0.5, args[3].abs() + 0.5
+    for got, want in zip(gm(*args), norm_linears(*args)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_norm_with_other_users_and_graphs_without_skinny_mm_are_kept():
+    from compilelm.passes.fuse_norm_skinny_mm import RMSNormSkinnyMMFusionPass
+    shared = trace_decomposed(norm_shared, [(3, 16), (16,), (8, 16)], torch.float32)
+    SkinnyMMPass()(shared.graph)
+    fusion = RMSNormSkinnyMMFusionPass()
+    fusion(shared.graph)
+    assert fusion.matches == 0 and skinny in targets(shared)
+    plain = trace_decomposed(norm_shared, [(3, 16), (16,), (8, 16)], torch.float32)  # no skinny_mm in it
+    fusion = RMSNormSkinnyMMFusionPass()
+    fusion(plain.graph)
+    assert fusion.matches == 0 and fusion._patterns is None  # not even registered
+
+
+def test_norm_skinny_mm_ops_cpu_and_opcheck():
+    from compilelm.layers.layernorm import rms_norm
+    gen = torch.Generator().manual_seed(0)
+    x, r, w = (torch.randn(s, generator=gen, dtype=torch.bfloat16) for s in ((2, 40), (2, 40), (7, 40)))
+    g = torch.rand(40, generator=gen, dtype=torch.bfloat16) + 0.5
+    ops = torch.ops.compilelm
+    torch.testing.assert_close(ops.rms_norm_skinny_mm(x, g, EPS, w), rms_norm(x, g, EPS) @ w.t(), rtol=0, atol=0)
+    y, r_out = ops.fused_add_rms_norm_skinny_mm(x, r, g, EPS, w)
+    assert torch.equal(r_out, x + r)
+    torch.testing.assert_close(y, rms_norm(x + r, g, EPS) @ w.t(), rtol=0, atol=0)
+    opcheck(ops.rms_norm_skinny_mm.default, (x, g, EPS, w))
+    opcheck(ops.fused_add_rms_norm_skinny_mm.default, (x, r, g, EPS, w))
+    with pytest.raises(RuntimeError, match="norm_weight"):
+        with FakeTensorMode():
+            ops.rms_norm_skinny_mm(torch.empty(3, 40), torch.empty(41), EPS, torch.empty(7, 40))

@@ -83,3 +83,94 @@ def test_pass_inside_inductor_matches_eager(no_tf32):
             torch._dynamo.mark_dynamic(x, 0)
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
     assert p.matches == 4  # both linears of the symbolic-size graph, then of M = 1's (Dynamo specializes size 1)
+
+
+# -- rms_norm_skinny_mm / fused_add_rms_norm_skinny_mm ------------------------------------------
+
+EPS = 1e-5
+
+
+def norm_inputs(m, n, k, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x, r = (torch.randn(m, k, device="cuda", generator=g).to(dtype) for _ in range(2))
+    gamma = (torch.rand(k, device="cuda", generator=g) + 0.5).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.05).to(dtype)
+    return x, r, gamma, w
+
+
+def check_norm_mm(x, r, gamma, w):
+    """y against fp64 matmuls of the reference norm's output (rms_norm in x's dtype, its
+    roundings); residual_out exactly x + r."""
+    from compilelm.layers.layernorm import rms_norm
+    ops = torch.ops.compilelm
+    for residual in (None, r):
+        if residual is None:
+            got, h = ops.rms_norm_skinny_mm(x, gamma, EPS, w), x
+        else:
+            got, r_out = ops.fused_add_rms_norm_skinny_mm(x, residual, gamma, EPS, w)
+            h = x + residual
+            assert torch.equal(r_out, h)
+        want = rms_norm(h, gamma, EPS).double() @ w.double().t()
+        assert got.dtype == x.dtype and got.shape == want.shape
+        err = (got.double() - want).abs().max().item() / (want.abs().max().item() + 1e-6)
+        assert err <= TOL[x.dtype], f"relative error {err:.2e}, residual {residual is not None}, x {tuple(x.shape)} {x.dtype}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("n, k", [(1728, 576), (577, 576), (6144, 4096), (7, 8)])
+def test_norm_kernel_matches_reference(dtype, m, n, k):
+    check_norm_mm(*norm_inputs(m, n, k, dtype, seed=m * 1000 + n))
+
+
+def test_norm_fallbacks_opcheck_and_graph_capture():
+    x, r, gamma, w = norm_inputs(2, 96, 80, torch.bfloat16, seed=3)
+    big = torch.randn(2, 96, device="cuda", dtype=torch.bfloat16)
+    check_norm_mm(big[:, 1:81], r, gamma, w[:, :80].contiguous())  # unaligned rows: norm kernel + at::mm
+    check_norm_mm(x, r, gamma, w[:, :80].contiguous())
+    ops = torch.ops.compilelm
+    w = w[:, :80].contiguous()
+    opcheck(ops.rms_norm_skinny_mm.default, (x, gamma, EPS, w))
+    opcheck(ops.fused_add_rms_norm_skinny_mm.default, (x, r, gamma, EPS, w))
+    with pytest.raises(RuntimeError, match="norm_weight"):
+        ops.rms_norm_skinny_mm(x, gamma.float(), EPS, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, r_out = ops.fused_add_rms_norm_skinny_mm(x, r, gamma, EPS, w)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    want_y, want_r = ops.fused_add_rms_norm_skinny_mm(x, r, gamma, EPS, w)
+    assert torch.equal(y, want_y) and torch.equal(r_out, want_r)
+
+
+def test_norm_fusion_inside_inductor_matches_eager(no_tf32):
+    from compilelm.layers.layernorm import RMSNorm
+    from compilelm.passes.manager import PassManager
+    from compilelm.passes.config import PassConfig
+
+    class Block(torch.nn.Module):  # input norm + linear, then add + norm + linear: a decoder layer's two
+        def __init__(self):
+            super().__init__()
+            self.n1, self.n2 = RMSNorm(256), RMSNorm(256)
+            self.qkv, self.up = torch.nn.Linear(256, 256, bias=False), torch.nn.Linear(256, 512, bias=False)
+
+        def forward(self, x):
+            h, residual = self.n2(self.qkv(self.n1(x)), x)
+            return self.up(h), residual
+
+    model = Block().cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        for norm in (model.n1, model.n2):
+            norm.weight.uniform_(0.5, 1.5)
+    manager = PassManager(PassConfig())
+    fusion = next(p for p in manager.post_grad if p.name == "RMSNormSkinnyMMFusionPass")
+    compiled = torch.compile(model, options={"post_grad_custom_post_pass": manager, "fx_graph_cache": False})
+    with torch.no_grad():
+        for m in (3, 4, 7, 2, 1):
+            x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
+            torch._dynamo.mark_dynamic(x, 0)
+            for got, want in zip(compiled(x), model(x)):
+                torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert fusion.matches == 4  # both norms of the symbolic-size graph, then of M = 1's
