@@ -13,11 +13,12 @@
 // (benchmarks/bench_skinny_mm.py has the comparison with cuBLAS).
 //
 // rms_norm_skinny_mm / fused_add_rms_norm_skinny_mm put the RMSNorm before a linear (and the
-// residual add before it) into the same kernel: every warp first sums the squares of its rows
-// (x + residual, rounded as the eager add rounds it; the warp of column 0 stores that sum as
-// residual_out), then streams its weight row against the normalized rows, rounded where the
-// unfused norm rounds them. The row's reads hit L1/L2 (every warp reads the same rows); the
-// first weight loads are issued before them. One kernel per norm + linear instead of two.
+// residual add before it) into the same kernel. Each block first normalizes its rows into shared
+// memory (x + residual rounded as the eager add rounds it, block 0 storing that sum as
+// residual_out; a block reduction of the squares; the norm's roundings), with its first weight
+// loads already in flight; then its warps stream their weight rows against the shared rows. The
+// norm is redone per block (4 columns), not per warp: applying it per warp and chunk made the
+// kernel ALU-bound (8B gate_up 82 -> 139 us on an H100).
 //
 // More than kMaxRows rows, or layouts the kernel does not take (unaligned, strided K, mixed
 // dtypes), go to at::mm (after the norm kernel of fused_ops.cpp for the norm ops): the ops are
@@ -38,6 +39,7 @@ namespace {
 constexpr int kMaxRows = 2;   // M above this: cuBLAS (at M = 2 the kernel is already only level with it on 8B shapes)
 constexpr int kWarps = 4;     // warps (output columns) per block
 constexpr int kLoads = 4;     // 16-byte weight loads in flight per lane, per step
+constexpr int64_t kMaxNormBytes = 48 * 1024;  // the norm variants' shared rows (M x K): the default limit
 
 __device__ __forceinline__ uint4 load_weight(const void* ptr) {  // read once: keep it out of L1
   uint4 v;
@@ -68,11 +70,12 @@ struct SkinnyParams {
 template <typename T, int M, Norm kNorm>
 __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyParams p) {
   constexpr int kVec = 16 / sizeof(T);
-  const int n = blockIdx.x * kWarps + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (n >= p.n_cols) return;
-  const T* x = static_cast<const T*>(p.x);
-  const T* row = static_cast<const T*>(p.w) + static_cast<int64_t>(n) * p.w_stride;
+  extern __shared__ uint4 s_rows[];  // the norm variants: rms_norm(rows) as T, [M][k]
+  __shared__ float s_sum_sq[kWarps][M];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int n = blockIdx.x * kWarps + warp;
+  const bool active = n < p.n_cols;  // (no early return: the norm's block syncs need every thread)
+  const T* row = static_cast<const T*>(p.w) + static_cast<int64_t>(active ? n : 0) * p.w_stride;
   const int chunks = p.k / kVec;  // 16-byte chunks of one row
 
   uint4 wv[kLoads];
@@ -80,46 +83,73 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
       const int c = base + i * 32;
-      wv[i] = c < chunks ? load_weight(row + c * kVec) : make_uint4(0, 0, 0, 0);
+      wv[i] = active && c < chunks ? load_weight(row + c * kVec) : make_uint4(0, 0, 0, 0);
     }
   };
-  load_step(lane);  // in flight while the norm's statistics are taken
+  load_step(lane);  // in flight while the norm runs
 
-  // h = row m of x (+ residual, rounded to T) at chunk c
-  const auto input = [&](int m, int c, float (&h)[kVec]) {
-    widen<T>(__ldg(reinterpret_cast<const uint4*>(x + m * p.x_stride + c * kVec)), h);
-    if constexpr (kNorm == Norm::kAddRms) {
-      float r[kVec];
-      widen<T>(__ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.residual) + m * p.residual_stride +
-                                                    c * kVec)), r);
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) h[e] = round_to<T>(h[e] + r[e]);
-    }
-  };
-  float inv_rms[M];
   if constexpr (kNorm != Norm::kNone) {
+    // pass 1: h = x (+ residual, rounded to T) into shared memory; sum of h^2 per row
+    float sum_sq[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-      float sum_sq = 0.f;
-      for (int c = lane; c < chunks; c += 32) {
+      sum_sq[m] = 0.f;
+      for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
         float h[kVec];
-        input(m, c, h);
+        widen<T>(__ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + m * p.x_stride + c * kVec)), h);
+        if constexpr (kNorm == Norm::kAddRms) {
+          float r[kVec];
+          widen<T>(__ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.residual) + m * p.residual_stride +
+                                                        c * kVec)), r);
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) sum_sq += h[e] * h[e];
-        if (kNorm == Norm::kAddRms && n == 0) {
-          T out[kVec];
+          for (int e = 0; e < kVec; ++e) h[e] = round_to<T>(h[e] + r[e]);
+        }
+        T out[kVec];
 #pragma unroll
-          for (int e = 0; e < kVec; ++e) out[e] = from_float<T>(h[e]);
-          *reinterpret_cast<uint4*>(static_cast<T*>(p.residual_out) + m * p.k + c * kVec) =
-              *reinterpret_cast<const uint4*>(out);
+        for (int e = 0; e < kVec; ++e) {
+          sum_sq[m] += h[e] * h[e];
+          out[e] = from_float<T>(h[e]);
+        }
+        const uint4 packed = *reinterpret_cast<const uint4*>(out);
+        s_rows[m * chunks + c] = packed;
+        if (kNorm == Norm::kAddRms && blockIdx.x == 0) {
+          reinterpret_cast<uint4*>(static_cast<T*>(p.residual_out) + m * p.k)[c] = packed;
         }
       }
 #pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, offset);
-      inv_rms[m] = rsqrtf(sum_sq / p.k + p.eps);
+      for (int offset = 16; offset > 0; offset /= 2) sum_sq[m] += __shfl_xor_sync(0xffffffffu, sum_sq[m], offset);
+      if (lane == 0) s_sum_sq[warp][m] = sum_sq[m];
     }
+    __syncthreads();
+    // pass 2: the norm in place, as compilelm.layers.layernorm.rms_norm rounds it: T(w * T(h * inv_rms))
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float total = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) total += s_sum_sq[w][m];
+      const float inv_rms = rsqrtf(total / p.k + p.eps);
+      for (int c = threadIdx.x; c < chunks; c += blockDim.x) {  // the chunks this thread wrote
+        float h[kVec], gamma[kVec];
+        widen<T>(s_rows[m * chunks + c], h);
+        widen<T>(__ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.norm_weight) + c * kVec)), gamma);
+        T out[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) out[e] = from_float<T>(gamma[e] * round_to<T>(h[e] * inv_rms));
+        s_rows[m * chunks + c] = *reinterpret_cast<const uint4*>(out);
+      }
+    }
+    __syncthreads();
   }
+  if (!active) return;
 
+  // chunk c of row m of the (normalized) input
+  const auto load_x = [&](int m, int c) -> uint4 {
+    if constexpr (kNorm == Norm::kNone) {
+      return __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + m * p.x_stride + c * kVec));
+    } else {
+      return s_rows[m * chunks + c];
+    }
+  };
   float acc[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[m] = 0.f;
@@ -129,19 +159,12 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
     for (int i = 0; i < kLoads; ++i) {
       const int c = base + i * 32;
       if (c >= chunks) continue;
-      float wf[kVec], gamma[kVec];
+      float wf[kVec];
       widen<T>(wv[i], wf);
-      if constexpr (kNorm != Norm::kNone) {
-        widen<T>(__ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.norm_weight) + c * kVec)), gamma);
-      }
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         float xf[kVec];
-        input(m, c, xf);
-        if constexpr (kNorm != Norm::kNone) {  // layernorm.rms_norm's roundings: T(w * T(h * inv_rms))
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) xf[e] = round_to<T>(gamma[e] * round_to<T>(xf[e] * inv_rms[m]));
-        }
+        widen<T>(load_x(m, c), xf);
 #pragma unroll
         for (int e = 0; e < kVec; ++e) acc[m] += xf[e] * wf[e];
       }
@@ -158,11 +181,12 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
 template <typename T, Norm kNorm>
 void launch(const SkinnyParams& p, int64_t rows) {
   const dim3 grid((p.n_cols + kWarps - 1) / kWarps), block(kWarps * 32);
+  const size_t shared = kNorm == Norm::kNone ? 0 : rows * p.k * sizeof(T);  // <= kMaxNormBytes
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (rows == 1) {
-    skinny_mm_kernel<T, 1, kNorm><<<grid, block, 0, stream>>>(p);
+    skinny_mm_kernel<T, 1, kNorm><<<grid, block, shared, stream>>>(p);
   } else {
-    skinny_mm_kernel<T, 2, kNorm><<<grid, block, 0, stream>>>(p);
+    skinny_mm_kernel<T, 2, kNorm><<<grid, block, shared, stream>>>(p);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -228,7 +252,8 @@ std::tuple<at::Tensor, at::Tensor> norm_mm(const at::Tensor& x, const at::Tensor
                 residual->scalar_type(), " on ", residual->device());
   }
   const bool fast = fast_path(x, weight) && (residual == nullptr || aligned_rows(*residual)) &&
-                    norm_weight.stride(0) == 1 && reinterpret_cast<uintptr_t>(norm_weight.const_data_ptr()) % 16 == 0;
+                    norm_weight.stride(0) == 1 && reinterpret_cast<uintptr_t>(norm_weight.const_data_ptr()) % 16 == 0 &&
+                    x.size(0) * x.size(1) * x.element_size() <= kMaxNormBytes;
   if (!fast) {  // the norm kernel, then cuBLAS
     if (residual == nullptr) return {at::mm(rms_norm(x, norm_weight, eps), weight.t()), at::Tensor()};
     auto [normed, residual_out] = fused_add_rms_norm(x, *residual, norm_weight, eps);

@@ -1,7 +1,10 @@
 """compilelm::skinny_mm's CUDA kernel (csrc/cuda/skinny_mm.cu) against fp64 matmuls: M = 1..4
 rows (1-2 on the kernel, 3-4 on cuBLAS) in every dtype and on the model shapes (K = 576, 4096,
-14336; odd N), the at::mm fallback (M > 2, unaligned or strided inputs), opcheck, CUDA-graph capture; and SkinnyMMPass inside
-Inductor on a decode-shaped piece (the rewritten graph calls the op and matches eager)."""
+14336; odd N), the at::mm fallback (M > 2, unaligned or strided inputs), opcheck, CUDA-graph
+capture; and SkinnyMMPass inside Inductor on a decode-shaped piece (the rewritten graph calls the
+op and matches eager). The same for the norm variants (rms_norm_skinny_mm,
+fused_add_rms_norm_skinny_mm: against the reference norm's output in fp64, residual_out exact)
+and RMSNormSkinnyMMFusionPass inside Inductor."""
 
 import pytest
 import torch
@@ -128,6 +131,7 @@ def test_norm_fallbacks_opcheck_and_graph_capture():
     big = torch.randn(2, 96, device="cuda", dtype=torch.bfloat16)
     check_norm_mm(big[:, 1:81], r, gamma, w[:, :80].contiguous())  # unaligned rows: norm kernel + at::mm
     check_norm_mm(x, r, gamma, w[:, :80].contiguous())
+    check_norm_mm(*norm_inputs(1, 8, 16384, torch.float32, seed=4))  # rows over the shared-memory limit
     ops = torch.ops.compilelm
     w = w[:, :80].contiguous()
     opcheck(ops.rms_norm_skinny_mm.default, (x, gamma, EPS, w))
