@@ -15,6 +15,12 @@ and without the residual add (the first layer's input norm) -> `compilelm.rms_no
 The bf16/fp16 variants carry the norm's fp32 converts; eps matches any value. Only norms whose
 output feeds nothing but the linear match (the matcher's rule for a pattern's inner nodes). For
 more rows the ops run the norm kernel and cuBLAS, as the unfused graph would.
+
+Only hidden sizes up to MAX_HIDDEN fuse. Each block of the kernel normalizes the rows before it
+streams its weight rows; on an H100 (benchmarks/bench_skinny_mm.py, add + norm + linear at M = 1)
+that won for SmolLM2-135M's 576 (qkv 4.15 -> 2.95 us, gate_up 5.02 -> 4.04 us) and lost for
+Llama-3.1-8B's 4096 (qkv 22.2 -> 24.2 us, gate_up 82.8 -> 87.9 us: every block first reads and
+normalizes 8 KB), where the separate norm kernel stays.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from compilelm.passes.base import FusionPass
 
 ops = torch.ops.compilelm
 EPS = {"eps": 1e-5}  # traced with this value, matched for any value
+MAX_HIDDEN = 2048  # the largest K that fuses (see above)
 
 
 def pattern_fused_add_rms_norm_skinny_mm(x, residual, norm_weight, weight, eps):
@@ -58,12 +65,16 @@ class RMSNormSkinnyMMFusionPass(FusionPass):
             x, norm_w, w = torch.empty(4, 16, dtype=dtype), torch.empty(16, dtype=dtype), torch.empty(8, 16, dtype=dtype)
             # with-residual pattern first: it contains the plain one
             self.replace(pattern_fused_add_rms_norm_skinny_mm, replace_fused_add_rms_norm_skinny_mm,
-                         [x, x.clone(), norm_w, w], extra_check=_same_dtype, scalar_workaround=EPS)
+                         [x, x.clone(), norm_w, w], extra_check=_applies, scalar_workaround=EPS)
             self.replace(pattern_rms_norm_skinny_mm, replace_rms_norm_skinny_mm, [x, norm_w, w],
-                         extra_check=_same_dtype, scalar_workaround=EPS)
+                         extra_check=_applies, scalar_workaround=EPS)
 
 
-def _same_dtype(match) -> bool:
-    """x, the norm weight and the linear weight share one dtype (the CUDA kernel's contract)."""
+def _applies(match) -> bool:
+    """x, the norm weight and the linear weight share one dtype (the CUDA kernel's contract), and
+    the hidden size is one where the fused kernel wins."""
     vals = [match.kwargs[k].meta.get("val") for k in ("x", "norm_weight", "weight")]
-    return all(isinstance(v, torch.Tensor) for v in vals) and len({v.dtype for v in vals}) == 1
+    if not all(isinstance(v, torch.Tensor) for v in vals) or len({v.dtype for v in vals}) != 1:
+        return False
+    hidden = vals[1].shape[0]
+    return isinstance(hidden, int) and hidden <= MAX_HIDDEN

@@ -139,13 +139,18 @@ def test_norms_before_skinny_mm_fuse_into_it(dtype):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_norm_with_other_users_and_graphs_without_skinny_mm_are_kept():
+def test_norm_with_other_users_wide_hidden_and_graphs_without_skinny_mm_are_kept():
     from compilelm.passes.fuse_norm_skinny_mm import RMSNormSkinnyMMFusionPass
     shared = trace_decomposed(norm_shared, [(3, 16), (16,), (8, 16)], torch.float32)
     SkinnyMMPass()(shared.graph)
     fusion = RMSNormSkinnyMMFusionPass()
     fusion(shared.graph)
     assert fusion.matches == 0 and skinny in targets(shared)
+    wide = trace_decomposed(norm_linears, [(1, 4096), (1, 8), (4096,), (8,), (8, 4096), (24, 8)], torch.float32)
+    SkinnyMMPass()(wide.graph)
+    fusion = RMSNormSkinnyMMFusionPass()
+    fusion(wide.graph)  # the first norm's hidden size (4096) is past MAX_HIDDEN; the second's (8) fuses
+    assert fusion.matches == 1 and targets(wide).count(torch.ops.compilelm.rms_norm_skinny_mm.default) == 0
     plain = trace_decomposed(norm_shared, [(3, 16), (16,), (8, 16)], torch.float32)  # no skinny_mm in it
     fusion = RMSNormSkinnyMMFusionPass()
     fusion(plain.graph)
