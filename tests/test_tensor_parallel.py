@@ -236,3 +236,23 @@ def test_failed_rank_reports_then_leaves_the_group_with_the_driver():
         executor.shutdown()
     proc.join(timeout=30)
     assert proc.exitcode == 0
+
+
+def test_release_graphs_drops_every_graph_and_steps_run_eagerly():
+    """What a TP rank does before leaving its NCCL group: no graph may outlive the communicator
+    whose collectives it captured. On CPU there are no graphs: stand-ins with the same shape."""
+    import types
+
+    from compilelm.llm import LLM
+    from compilelm.runtime.cuda_graphs import CudaGraphDispatcher
+    llm = LLM("dummy:qwen3-0.6b", model_overrides=QWEN3[1], max_model_len=128, num_kv_blocks=64, enforce_eager=True)
+    runner = llm.engine.executor.model_runner
+    full, site = types.SimpleNamespace(graphs={8: "graph"}), types.SimpleNamespace(graphs={8: "graph", 4: "graph"})
+    runner.cuda_graphs, runner.piecewise_graphs = full, types.SimpleNamespace(sites={"piece_0": site})
+    runner.dispatcher = CudaGraphDispatcher((8,), (8,))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm.engine.executor.driver.release_graphs()
+    assert full.graphs == {} and site.graphs == {}
+    assert runner.cuda_graphs is None and runner.piecewise_graphs is None
+    assert runner.dispatcher.dispatch(1, 1) == ("none", None)
+    assert len(llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids) == 4

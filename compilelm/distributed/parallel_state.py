@@ -37,9 +37,10 @@ def init_distributed(rank: int, world_size: int, init_method: str, device: torch
 
 
 def destroy_distributed(abort: bool = False) -> None:
-    """Leaves the group. NCCL's teardown waits for the peers' (a rank that destroys alone, after
-    its peers have exited, hangs there): every rank calls this at the same time, or, when a peer
-    is gone, passes `abort` (NCCL's local abort; gloo just destroys)."""
+    """Leaves the group: every rank at the same time (NCCL's teardown may wait for its peers),
+    after dropping the CUDA graphs that captured the group's collectives (destroying the
+    communicator while they live hangs: pytorch/pytorch#115388). With a peer gone, `abort` (NCCL's
+    local abort; gloo just destroys)."""
     global _TP_RANK, _TP_SIZE
     if dist.is_initialized():
         if abort and dist.get_backend() == "nccl":

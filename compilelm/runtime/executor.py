@@ -130,6 +130,8 @@ class Executor:
         return self.driver.model_runner.execute_model_async(sched)
 
     def shutdown(self) -> None:
+        if self.conns and getattr(self, "driver", None) is not None:
+            self.driver.release_graphs()  # before the group goes (every rank does the same)
         self._finalizer()
 
 
@@ -142,7 +144,7 @@ def _stop_ranks(procs: list, conns: list) -> None:
             conn.send(("shutdown", (), False))
         except OSError:
             pass
-    # every rank leaves the group now, together (NCCL's teardown waits for the peers'); with a
+    # every rank leaves the group now, together (NCCL's teardown may wait for its peers); with a
     # rank already gone, this one aborts alone
     destroy_distributed(abort=not all_alive)
     for proc in procs:

@@ -17,6 +17,7 @@ id from the previous step's sampled-token tensor on the device (`StepInputs.pend
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -111,6 +112,21 @@ class ModelRunner:
         estimate = graph_memory_estimate(self.model.config, next(self.model.parameters()).dtype, full, piecewise)
         logger.info("CUDA graph memory: %.0f MiB measured, %.0f MiB estimated (reserved before sizing the KV cache)",
                     measured / 2**20, estimate / 2**20)
+
+    def release_graphs(self) -> None:
+        """Drops the CUDA graphs; later steps run eagerly. A tensor-parallel rank does this before
+        it leaves its NCCL group: destroying a communicator while graphs that captured its
+        collectives are alive hangs (pytorch/pytorch#115388; seen at TP=2 on 2 x H100)."""
+        if self.piecewise_graphs is not None:
+            for site in self.piecewise_graphs.sites.values():
+                site.graphs.clear()
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.graphs.clear()
+        self.cuda_graphs = self.piecewise_graphs = None
+        self.dispatcher = CudaGraphDispatcher()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _build_forward(self, config):
         compilation = getattr(config, "compilation", None)

@@ -64,6 +64,11 @@ class Worker:
         """Allocates the KV cache, compiles the model and captures its CUDA graphs."""
         self.model_runner = ModelRunner(self.model, self.config, self.device, num_blocks)
 
+    def release_graphs(self) -> None:
+        """Before leaving the process group (see ModelRunner.release_graphs)."""
+        if getattr(self, "model_runner", None) is not None:
+            self.model_runner.release_graphs()
+
     def run_step(self, step: StepInputs) -> None:
         self.model_runner.run_step(step)  # the logits live on the driver: nothing to return
 
@@ -81,6 +86,7 @@ def worker_main(config: EngineConfig, rank: int, init_method: str, conn) -> None
     """A rank > 0 process: build the Worker, then run what the driver sends until it goes away.
     Messages: (method, args, want_reply); replies: ("ok", result) or ("error", traceback)."""
     abort = False  # leave the group alone (the driver is gone) instead of with the driver
+    worker = None
     try:
         conn.send(("ok", None))  # started: the driver may now wait in the rendezvous
         worker = Worker(config, rank, init_method)
@@ -101,6 +107,8 @@ def worker_main(config: EngineConfig, rank: int, init_method: str, conn) -> None
         except OSError:
             abort = True
     finally:
+        if worker is not None:
+            worker.release_graphs()
         destroy_distributed(abort=abort)
 
 
