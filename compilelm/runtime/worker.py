@@ -66,7 +66,7 @@ class Worker:
 
     def release_graphs(self) -> None:
         """Before leaving the process group (see ModelRunner.release_graphs)."""
-        if getattr(self, "model_runner", None) is not None:
+        if self.model_runner is not None:
             self.model_runner.release_graphs()
 
     def run_step(self, step: StepInputs) -> None:
