@@ -75,6 +75,9 @@ class EngineConfig:
     model_overrides: tuple[tuple[str, object], ...] = ()  # e.g. (("num_hidden_layers", 2),) for dummy
     quantization: str | None = None  # "fp8": W8A8 linears (compilelm/layers/quantization)
     tensor_parallel_size: int = 1  # ranks, one process each (compilelm/runtime/executor.py)
+    # TP on CUDA: the smallest all-reduce (bytes) that takes the one-shot peer-memory kernel;
+    # None = 1 MiB (below it NCCL wins on 2 x H100), 0 = every size it takes, -1 = NCCL only.
+    custom_all_reduce_min_bytes: int | None = None
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -88,6 +91,9 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.device.startswith("cuda:"):
             raise ValueError(f"device {self.device!r}: with tensor_parallel_size > 1 rank r uses cuda:r; "
                              "pass device='cuda'")
+        if self.custom_all_reduce_min_bytes is not None and self.custom_all_reduce_min_bytes < -1:
+            raise ValueError("custom_all_reduce_min_bytes must be None, -1 (off) or >= 0, "
+                             f"got {self.custom_all_reduce_min_bytes}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

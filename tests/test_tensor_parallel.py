@@ -256,3 +256,18 @@ def test_release_graphs_drops_every_graph_and_steps_run_eagerly():
     assert runner.cuda_graphs is None and runner.piecewise_graphs is None
     assert runner.dispatcher.dispatch(1, 1) == ("none", None)
     assert len(llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+def test_custom_all_reduce_min_bytes_is_validated_and_configures_the_process():
+    from compilelm.config import EngineConfig
+    from compilelm.distributed import custom_all_reduce as car
+    with pytest.raises(ValueError, match="custom_all_reduce_min_bytes"):
+        EngineConfig(custom_all_reduce_min_bytes=-2)
+    try:
+        car.configure_custom_all_reduce(-1)
+        assert car._min_bytes is None  # NCCL only: never made
+        car.configure_custom_all_reduce(0)
+        assert car._min_bytes == 0
+    finally:
+        car.configure_custom_all_reduce(None)
+    assert car._min_bytes == car.MIN_BYTES

@@ -13,17 +13,22 @@ two barriers (a system-scope CAS on the peer's flag, then a wait) cost more than
 protocol. Pushing the rows into the peers' buffers with flags carried in the data (no barrier,
 one one-way trip) is the known way to win at decode sizes.
 
-Each rank allocates one buffer of `FLAG_BYTES + max_bytes` through torch symmetric memory
-(`rendezvous` maps every peer's buffer into this process; no NVLink multicast), once, lazily on
-the first call outside CUDA-graph capture: a collective, so every rank makes it at the same op.
-Calls inside a capture before that fall back to NCCL. Graph replays reuse the same buffers and
-the flags reset themselves, so the kernel is capturable.
+Each rank allocates one buffer of `FLAG_BYTES + max_bytes` and maps every peer's buffer into its
+process through CUDA IPC handles (torch's own tensor sharing, `reduce_tensor`, gathered over the
+group; no NVLink multicast), once, lazily on the first call outside CUDA-graph capture: a
+collective, so every rank makes it at the same op. Calls inside a capture before that fall back
+to NCCL. Graph replays reuse the same buffers and the flags reset themselves, so the kernel is
+capturable. `close_custom_all_reduce` drops the buffers when the engine leaves the group.
+
+Not torch symmetric memory: its rendezvous keeps per-process state (the group's store by group
+name, a sequence number per exchange) that a second engine in the same process, with fresh
+worker processes, no longer shares with its peers, so that engine's rendezvous waited forever
+(seen on 2 x H100 with two TP=2 engines in one pytest process).
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -46,18 +51,20 @@ class CustomAllReduce:
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES,
                  min_bytes: int = MIN_BYTES):
-        import torch.distributed._symmetric_memory as symm_mem
+        from torch.multiprocessing.reductions import reduce_tensor
 
         import compilelm.ops  # noqa: F401  (loads the kernels: compilelm/_C)
         self.group, self.max_bytes, self.min_bytes = group, max_bytes, min_bytes
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.buffer = symm_mem.empty(FLAG_BYTES + max_bytes, dtype=torch.uint8, device=device)
-        self.buffer[:FLAG_BYTES].zero_()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            self.handle = symm_mem.rendezvous(self.buffer, group)
-        self.buffer_ptrs = [int(p) for p in self.handle.buffer_ptrs]  # every rank's buffer, rank order
-        torch.cuda.synchronize(device)
+        self.buffer = torch.zeros(FLAG_BYTES + max_bytes, dtype=torch.uint8, device=device)
+        torch.cuda.synchronize(device)  # zeroed before a peer can see it
+        handles: list = [None] * self.world_size
+        dist.all_gather_object(handles, reduce_tensor(self.buffer), group=group)
+        # Every rank's buffer in this process, rank order (the peers' opened from their handles;
+        # holding them keeps the mappings alive).
+        self.buffers = [self.buffer if r == self.rank else rebuild(*args)
+                        for r, (rebuild, args) in enumerate(handles)]
+        self.buffer_ptrs = [b.data_ptr() for b in self.buffers]
         dist.barrier(group)  # every rank's flags are zero before any rank signals
 
     def fits(self, *tensors: Tensor) -> bool:
@@ -79,20 +86,30 @@ class CustomAllReduce:
 
 _instance: CustomAllReduce | None = None
 _unavailable: set[int] = set()  # ids of the groups where it could not be made
+_min_bytes: int | None = MIN_BYTES  # this process's engine setting; None = NCCL only
+
+
+def configure_custom_all_reduce(min_bytes: int | None) -> None:
+    """The engine's `custom_all_reduce_min_bytes` (None = MIN_BYTES, -1 = off), before first use."""
+    global _min_bytes
+    _min_bytes = MIN_BYTES if min_bytes is None else (None if min_bytes < 0 else min_bytes)
 
 
 def init_custom_all_reduce(device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES,
-                           min_bytes: int = MIN_BYTES) -> CustomAllReduce | None:
+                           min_bytes: int | None = None) -> CustomAllReduce | None:
     """Makes (or remakes, for another size) this rank's buffer over the whole world; collective.
-    None where peer memory is unavailable on some rank (every rank then agrees on NCCL)."""
+    None where peer memory is unavailable on some rank (every rank then agrees on NCCL).
+    min_bytes None: the configured one (configure_custom_all_reduce)."""
     global _instance
+    if min_bytes is None:
+        min_bytes = MIN_BYTES if _min_bytes is None else _min_bytes
     group = dist.group.WORLD
     if not 2 <= dist.get_world_size(group) <= MAX_RANKS:
         _unavailable.add(id(group))
         return None
     try:
         car, ok = CustomAllReduce(group, device, max_bytes, min_bytes), 1
-    except Exception as exc:  # noqa: BLE001 - no symmetric memory here: NCCL serves
+    except Exception as exc:  # noqa: BLE001 - no peer memory here: NCCL serves
         logger.warning("one-shot all-reduce unavailable (%s): NCCL all-reduce for every size", exc)
         car, ok = None, 0
     agreed = torch.tensor([ok], device=device)
@@ -104,6 +121,13 @@ def init_custom_all_reduce(device: torch.device, max_bytes: int = DEFAULT_MAX_BY
     return car
 
 
+def close_custom_all_reduce() -> None:
+    """Drops this rank's buffer and its peers' mappings (before the group is left)."""
+    global _instance
+    _instance = None
+    _unavailable.clear()
+
+
 def get_custom_all_reduce(x: Tensor) -> CustomAllReduce | None:
     """The buffers for x's device, made on first use; None for one rank, CPU tensors, where peer
     memory is unavailable, or inside a CUDA-graph capture before they exist."""
@@ -111,6 +135,7 @@ def get_custom_all_reduce(x: Tensor) -> CustomAllReduce | None:
         return None
     if _instance is not None and _instance.group is dist.group.WORLD:
         return _instance
-    if id(dist.group.WORLD) in _unavailable or torch.cuda.is_current_stream_capturing():
+    if (_min_bytes is None or id(dist.group.WORLD) in _unavailable
+            or torch.cuda.is_current_stream_capturing()):
         return None
     return init_custom_all_reduce(x.device)

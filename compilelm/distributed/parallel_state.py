@@ -22,11 +22,14 @@ _TP_RANK, _TP_SIZE = 0, 1
 
 
 def init_distributed(rank: int, world_size: int, init_method: str, device: torch.device,
-                     timeout_s: float = 600.0) -> None:
-    """Joins the process group of all ranks (the whole world is one tensor-parallel group)."""
+                     custom_all_reduce_min_bytes: int | None = None, timeout_s: float = 600.0) -> None:
+    """Joins the process group of all ranks (the whole world is one tensor-parallel group).
+    `custom_all_reduce_min_bytes`: see EngineConfig."""
     global _TP_RANK, _TP_SIZE
     if world_size == 1:
         return
+    from compilelm.distributed.custom_all_reduce import configure_custom_all_reduce
+    configure_custom_all_reduce(custom_all_reduce_min_bytes)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -42,6 +45,8 @@ def destroy_distributed(abort: bool = False) -> None:
     communicator while they live hangs: pytorch/pytorch#115388). With a peer gone, `abort` (NCCL's
     local abort; gloo just destroys)."""
     global _TP_RANK, _TP_SIZE
+    from compilelm.distributed.custom_all_reduce import close_custom_all_reduce
+    close_custom_all_reduce()
     if dist.is_initialized():
         if abort and dist.get_backend() == "nccl":
             dist.distributed_c10d._abort_process_group()

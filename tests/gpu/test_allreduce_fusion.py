@@ -183,13 +183,19 @@ def _generate(tp: int, **kw):
               dtype="float32", tensor_parallel_size=tp, **kw)
     try:
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        if kw.get("custom_all_reduce_min_bytes") == 0:  # rank 0 ran the one-shot kernel at every size
+            from compilelm.distributed import custom_all_reduce
+            assert custom_all_reduce._instance is not None and custom_all_reduce._instance.min_bytes == 0
+        return tokens
     finally:
         llm.engine.shutdown()
 
 
 def test_tp2_fused_equals_unfused_equals_tp1(tmp_path):
-    """Compiled, full CUDA graphs (decode batches replay the one-shot kernel). fp32: in bf16 the
+    """Compiled, full CUDA graphs; the fused engine takes the one-shot kernel at every size (decode
+    batches replay it), the unfused one NCCL, both in this process one after the other (the second
+    engine maps fresh peer buffers: its rank 1 is a new process). fp32: in bf16 the
     TP=2 sum is rounded to bf16 once more than TP=1's single matmul (the all-reduce's output
     dtype), so TP=2 and TP=1 are different computations and random dummy weights may pick other
     greedy tokens; in fp32 those roundings are ~1e-7 and the tokens must agree."""
@@ -197,7 +203,7 @@ def test_tp2_fused_equals_unfused_equals_tp1(tmp_path):
     for fuse in (True, False):
         cc = {"passes": {"fuse_allreduce_rms": fuse}, "cache_dir": str(tmp_path / f"cache_{fuse}"),
               "cudagraph_mode": "full", "cudagraph_capture_sizes": [1, 2, 4]}
-        tokens[fuse] = _generate(2, compilation_config=cc)
+        tokens[fuse] = _generate(2, compilation_config=cc, custom_all_reduce_min_bytes=0 if fuse else -1)
     tokens["tp1"] = _generate(1, enforce_eager=True)
     assert tokens[True] == tokens[False] == tokens["tp1"], tokens
 
