@@ -14,7 +14,7 @@ protocol. Pushing the rows into the peers' buffers with flags carried in the dat
 one one-way trip) is the known way to win at decode sizes.
 
 Each rank allocates one buffer of `FLAG_BYTES + max_bytes` and maps every peer's buffer into its
-process through CUDA IPC handles (torch's own tensor sharing, `reduce_tensor`, gathered over the
+process through CUDA IPC handles (torch's storage sharing, `_share_cuda_`, gathered over the
 group; no NVLink multicast), once, lazily on the first call outside CUDA-graph capture: a
 collective, so every rank makes it at the same op. Calls inside a capture before that fall back
 to NCCL. Graph replays reuse the same buffers and the flags reset themselves, so the kernel is
@@ -47,23 +47,26 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class CustomAllReduce:
-    """This rank's symmetric buffer and every peer's address of it."""
+    """This rank's peer-visible buffer and every peer's address of it."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES,
                  min_bytes: int = MIN_BYTES):
-        from torch.multiprocessing.reductions import reduce_tensor
-
         import compilelm.ops  # noqa: F401  (loads the kernels: compilelm/_C)
         self.group, self.max_bytes, self.min_bytes = group, max_bytes, min_bytes
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.buffer = torch.zeros(FLAG_BYTES + max_bytes, dtype=torch.uint8, device=device)
         torch.cuda.synchronize(device)  # zeroed before a peer can see it
-        handles: list = [None] * self.world_size
-        dist.all_gather_object(handles, reduce_tensor(self.buffer), group=group)
-        # Every rank's buffer in this process, rank order (the peers' opened from their handles;
-        # holding them keeps the mappings alive).
-        self.buffers = [self.buffer if r == self.rank else rebuild(*args)
-                        for r, (rebuild, args) in enumerate(handles)]
+        # (device, IPC handle, size, offset in the allocation, ref counter, its offset, event, sync?)
+        shares: list = [None] * self.world_size
+        dist.all_gather_object(shares, self.buffer.untyped_storage()._share_cuda_(), group=group)
+        # Every rank's buffer in this process, rank order. A peer's is opened on *this* rank's
+        # device (cudaIpcOpenMemHandle with lazy peer access from here), not on the peer's as
+        # torch.multiprocessing would: mapped there, this rank's kernels may not touch it.
+        # Holding the storages keeps the mappings alive.
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.buffers = [self.buffer.untyped_storage() if r == self.rank
+                        else torch.UntypedStorage._new_shared_cuda(index, *share[1:])
+                        for r, share in enumerate(shares)]
         self.buffer_ptrs = [b.data_ptr() for b in self.buffers]
         dist.barrier(group)  # every rank's flags are zero before any rank signals
 
