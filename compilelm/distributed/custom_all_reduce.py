@@ -70,6 +70,16 @@ class CustomAllReduce:
         self.buffer_ptrs = [b.data_ptr() for b in self.buffers]
         dist.barrier(group)  # every rank's flags are zero before any rank signals
 
+    def close(self, peers_present: bool) -> None:
+        """Every rank releases its mappings of its peers' buffers before any rank frees the buffer
+        its peers mapped: torch parks a shared block that a peer still maps until that peer lets
+        go, and a rank that exits with blocks parked may crash at exit (seen: SIGSEGV on 2 x H100)."""
+        torch.cuda.synchronize(self.buffer.device)
+        self.buffers, self.buffer_ptrs = [], []
+        if peers_present:
+            dist.barrier(self.group)
+        self.buffer = None
+
     def fits(self, *tensors: Tensor) -> bool:
         """The kernel takes x (tensors[0]) and the residual/weight that go with it."""
         x = tensors[0]
@@ -124,11 +134,14 @@ def init_custom_all_reduce(device: torch.device, max_bytes: int = DEFAULT_MAX_BY
     return car
 
 
-def close_custom_all_reduce() -> None:
-    """Drops this rank's buffer and its peers' mappings (before the group is left)."""
+def close_custom_all_reduce(peers_present: bool = True) -> None:
+    """Drops this rank's buffer and its peers' mappings, before the group is left; collective
+    unless `peers_present` is False (a peer is gone)."""
     global _instance
-    _instance = None
+    car, _instance = _instance, None
     _unavailable.clear()
+    if car is not None:
+        car.close(peers_present)
 
 
 def get_custom_all_reduce(x: Tensor) -> CustomAllReduce | None:

@@ -46,7 +46,7 @@ def destroy_distributed(abort: bool = False) -> None:
     local abort; gloo just destroys)."""
     global _TP_RANK, _TP_SIZE
     from compilelm.distributed.custom_all_reduce import close_custom_all_reduce
-    close_custom_all_reduce()
+    close_custom_all_reduce(peers_present=not abort)
     if dist.is_initialized():
         if abort and dist.get_backend() == "nccl":
             dist.distributed_c10d._abort_process_group()
