@@ -132,32 +132,38 @@ def time_hf(model, batch: int, context: int, compile_: bool, n_short: int = 8, n
 
 
 def bench_model(name: str, args, bandwidth: float, rows: list, save) -> None:
+    import compilelm.ops  # noqa: F401  (loads the kernels: set_programmatic_launch)
     from compilelm import LLM
 
     max_batch = max(args.batches)
-    t0 = time.perf_counter()
-    llm = LLM(model=name, dtype="bfloat16", max_model_len=args.context + args.steps + 64, max_num_seqs=max_batch,
-              max_num_batched_tokens=8192,
-              compilation_config={"cache_dir": args.cache_dir} if args.cache_dir else None)
-    startup = time.perf_counter() - t0
-    engine = llm.engine
-    graphs = engine.model_runner.cuda_graphs
-    graph_mib = graphs.memory_bytes / 2**20 if graphs else None
     base = []
-    for batch in args.batches:
-        ms, graph_ms = time_ours(engine, batch, args.context, args.steps)
-        nbytes = step_bytes(engine.model_config, engine.model_runner.model, batch, args.context)
-        row = dict(model=name, batch=batch, context=args.context, ours_ms=ms, graph_replay_ms=graph_ms,
-                   roofline_ms=nbytes / H100_BANDWIDTH * 1e3, roofline_measured_ms=nbytes / bandwidth * 1e3,
-                   target_ms=TARGETS_MS.get((name, batch)), startup_s=startup, graph_mib=graph_mib)
-        row["pct_of_measured_roofline"] = 100 * row["roofline_measured_ms"] / ms
-        base.append(row)
-        print(f"{name} batch {batch}: {ms:.3f} ms/step (graph replay {graph_ms} ms)", flush=True)
+    for pdl in {"on": [True], "off": [False], "both": [False, True]}[args.pdl]:
+        # kernels launch (and graphs capture) with programmatic dependent launch or without
+        torch.ops.compilelm.set_programmatic_launch(pdl)
+        t0 = time.perf_counter()
+        llm = LLM(model=name, dtype="bfloat16", max_model_len=args.context + args.steps + 64,
+                  max_num_seqs=max_batch, max_num_batched_tokens=8192,
+                  compilation_config={"cache_dir": args.cache_dir} if args.cache_dir else None)
+        startup = time.perf_counter() - t0
+        engine = llm.engine
+        graphs = engine.model_runner.cuda_graphs
+        graph_mib = graphs.memory_bytes / 2**20 if graphs else None
+        for batch in args.batches:
+            ms, graph_ms = time_ours(engine, batch, args.context, args.steps)
+            nbytes = step_bytes(engine.model_config, engine.model_runner.model, batch, args.context)
+            row = dict(model=name, batch=batch, context=args.context, pdl=pdl, ours_ms=ms, graph_replay_ms=graph_ms,
+                       roofline_ms=nbytes / H100_BANDWIDTH * 1e3, roofline_measured_ms=nbytes / bandwidth * 1e3,
+                       target_ms=TARGETS_MS.get((name, batch)), startup_s=startup, graph_mib=graph_mib)
+            row["pct_of_measured_roofline"] = 100 * row["roofline_measured_ms"] / ms
+            (base if pdl else rows).append(row)  # HF is compared with the default (PDL on) rows
+            print(f"{name} batch {batch} pdl {pdl}: {ms:.3f} ms/step (graph replay {graph_ms} ms)", flush=True)
+        save()
+        del llm, engine, graphs
+        gc.collect()
+        torch.cuda.empty_cache()
+    torch.ops.compilelm.set_programmatic_launch(True)
     rows.extend(base)
     save()
-    del llm, engine, graphs
-    gc.collect()
-    torch.cuda.empty_cache()
     if not args.no_hf:
         model = hf_model(name)
         for row in base:
@@ -185,6 +191,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--hf-compile-batches", type=int, nargs="*", default=[1, 64])
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--cache-dir", default=None, help="compile cache (default: compilelm's)")
+    ap.add_argument("--pdl", choices=["on", "off", "both"], default="on",
+                    help="programmatic dependent launch of compilelm's kernels (both: an A/B, one engine each)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -202,7 +210,7 @@ def main(argv=None) -> dict:
             print(f"{name}: FAILED {rows[-1]['error']}", flush=True)
     path = save()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
-    print_table(rows, ["model", "batch", "ours_ms", "graph_replay_ms", "roofline_ms", "roofline_measured_ms", "pct_of_measured_roofline",
+    print_table(rows, ["model", "batch", "pdl", "ours_ms", "graph_replay_ms", "roofline_ms", "roofline_measured_ms", "pct_of_measured_roofline",
                        "target_ms", "hf_mode", "hf_static_compile_ms", "hf_static_eager_ms", "speedup_vs_hf"])
     print(f"wrote {path}")
     return payload

@@ -13,7 +13,23 @@
 // else static (scale: fp32 [1], returned as a copy). All of them are functional.
 #include <torch/library.h>
 
+#include <atomic>
+
+namespace compilelm {
+namespace {
+std::atomic<bool> programmatic_launch{true};
+}  // namespace
+
+// CUDA kernels launch with programmatic dependent launch (csrc/cuda/launch.cuh) unless turned off.
+bool programmatic_launch_enabled() { return programmatic_launch.load(std::memory_order_relaxed); }
+
+bool set_programmatic_launch(bool enabled) { return programmatic_launch.exchange(enabled); }
+}  // namespace compilelm
+
 TORCH_LIBRARY(compilelm, m) {
+  // CUDA launches with or without programmatic dependent launch (csrc/cuda/launch.cuh); returns
+  // the previous setting. Takes effect for launches (and graph captures) after the call.
+  m.def("set_programmatic_launch(bool enabled) -> bool", &compilelm::set_programmatic_launch);
   // key, value: [num_tokens, num_kv_heads, head_size]; slot_mapping: int64 [num_tokens], -1 skips.
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "

@@ -203,3 +203,14 @@ def test_bad_inputs_raise():
         paged_attention(query.bfloat16(), key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale)
     with pytest.raises(RuntimeError, match="max_query_len must be >= 0"):
         paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale, -1)
+
+
+def test_set_programmatic_launch_returns_the_previous_setting():
+    """The CUDA launch setting (csrc/cuda/launch.cuh) is process state every build has."""
+    ops = torch.ops.compilelm
+    previous = ops.set_programmatic_launch(False)
+    try:
+        assert ops.set_programmatic_launch(True) is False
+        assert ops.set_programmatic_launch(True) is True
+    finally:
+        ops.set_programmatic_launch(previous)

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 
+#include "cuda/launch.cuh"
 #include "cuda/launchers.h"
 
 namespace compilelm::cuda {
@@ -18,6 +19,8 @@ __global__ void reshape_and_cache_kernel(const Unit* __restrict__ key, const Uni
                                          Unit* __restrict__ key_cache, Unit* __restrict__ value_cache,
                                          const int64_t* __restrict__ slot_mapping, int64_t key_stride,
                                          int64_t value_stride, int row_units, int64_t num_slots) {
+  wait_for_prior_kernels();  // PDL (launch.cuh): before any read of earlier kernels' outputs
+  allow_dependent_kernels();
   const int64_t token = blockIdx.x;
   const int64_t slot = slot_mapping[token];
   if (slot < 0 || slot >= num_slots) return;
@@ -37,7 +40,8 @@ void launch(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cach
   const int64_t unit_elems = sizeof(Unit) / key.element_size();
   const int row_units = static_cast<int>(key.size(1) * key.size(2) / unit_elems);
   const int threads = std::min(256, (row_units + 31) / 32 * 32);
-  reshape_and_cache_kernel<Unit><<<key.size(0), threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+  launch_kernel(
+      reshape_and_cache_kernel<Unit>, key.size(0), threads, 0, c10::cuda::getCurrentCUDAStream(),
       static_cast<const Unit*>(key.const_data_ptr()), static_cast<const Unit*>(value.const_data_ptr()),
       static_cast<Unit*>(key_cache.mutable_data_ptr()), static_cast<Unit*>(value_cache.mutable_data_ptr()),
       slot_mapping.const_data_ptr<int64_t>(), key.stride(0) / unit_elems, value.stride(0) / unit_elems, row_units,

@@ -13,6 +13,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "cuda/fused_common.cuh"
+#include "cuda/launch.cuh"
 #include "cuda/launchers.h"
 
 namespace compilelm::cuda {
@@ -20,6 +21,8 @@ namespace {
 
 template <typename T, int N, bool kAdd, QuantMode kQuant>
 __global__ void rms_norm_kernel(const RowParams p) {
+  wait_for_prior_kernels();  // PDL (launch.cuh): before any read of earlier kernels' outputs
+  allow_dependent_kernels();
   const int64_t row = blockIdx.x;
   const int chunks = p.cols / N;
   const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
@@ -85,8 +88,8 @@ __global__ void rms_norm_kernel(const RowParams p) {
 
 template <typename T, int N, bool kAdd, QuantMode kQuant>
 void launch(const RowParams& p) {
-  rms_norm_kernel<T, N, kAdd, kQuant>
-      <<<p.rows, row_threads(p.cols / N), 0, c10::cuda::getCurrentCUDAStream()>>>(p);
+  launch_kernel(rms_norm_kernel<T, N, kAdd, kQuant>, p.rows, row_threads(p.cols / N), 0,
+                c10::cuda::getCurrentCUDAStream(), p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -20,6 +20,7 @@
 #include <cmath>
 
 #include "cuda/attention_common.cuh"
+#include "cuda/launch.cuh"
 
 namespace compilelm::cuda {
 namespace {
@@ -49,6 +50,8 @@ struct DecodeTile {
 template <typename T, int D, int GP>
 __global__ void __launch_bounds__(kWarps * 32)
     paged_attention_decode_kernel(const AttentionParams p, const SplitParams s) {
+  wait_for_prior_kernels();  // PDL (launch.cuh): before any read of earlier kernels' outputs
+  allow_dependent_kernels();
   using Tile = DecodeTile<T, D, GP>;
   constexpr int kVec = Tile::kVec, kLanes = Tile::kLanes, kLoads = Tile::kLoads;
   constexpr int kGroups = Tile::kGroups, kUnroll = Tile::kUnroll;
@@ -250,6 +253,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 template <typename T>
 __global__ void __launch_bounds__(128)
     paged_attention_merge_kernel(const AttentionParams p, const SplitParams s) {
+  wait_for_prior_kernels();  // PDL (launch.cuh): before any read of earlier kernels' outputs
+  allow_dependent_kernels();
   __shared__ float s_weight[kMaxSplits];
   merge_splits<T>(p, s, blockIdx.x / p.num_heads, blockIdx.x % p.num_heads, s_weight);
 }
@@ -295,10 +300,10 @@ SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_r
     s.partial_lse = s.partial_out + partials * p.head_size;
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  kernel<<<dim3(rows * p.num_kv_heads * chunks, splits), kWarps * 32, 0, stream>>>(p, s);
+  launch_kernel(kernel, dim3(rows * p.num_kv_heads * chunks, splits), kWarps * 32, 0, stream, p, s);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (all_rows && splits > 1) {
-    paged_attention_merge_kernel<T><<<rows * p.num_heads, 128, 0, stream>>>(p, s);
+    launch_kernel(paged_attention_merge_kernel<T>, rows * p.num_heads, 128, 0, stream, p, s);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return s;

@@ -19,6 +19,7 @@
 #include <type_traits>
 
 #include "cuda/attention_common.cuh"
+#include "cuda/launch.cuh"
 
 namespace compilelm::cuda {
 namespace {
@@ -83,6 +84,8 @@ __device__ __forceinline__ uint32_t pack(float x, float y) {
 template <typename T, int D>
 __global__ void __launch_bounds__(kWarps * 32)
     paged_attention_prefill_kernel(const AttentionParams p, const SplitParams splits, const int rows_per_tile) {
+  wait_for_prior_kernels();  // PDL (launch.cuh): before any read of earlier kernels' outputs
+  allow_dependent_kernels();
   constexpr int kStride = D + kPad;
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   extern __shared__ __align__(16) unsigned char smem[];
@@ -279,8 +282,8 @@ void launch(const AttentionParams& p, const SplitParams& splits) {
   const int rows_per_tile = kBlockM / p.group;
   const int tiles = p.num_tokens / rows_per_tile + p.num_seqs + 1;
   const int merges = splits.num_splits > 1 ? p.num_seqs : 0;
-  kernel<<<dim3(tiles + merges, p.num_kv_heads), kWarps * 32, smem_bytes<D>(), c10::cuda::getCurrentCUDAStream()>>>(
-      p, splits, rows_per_tile);
+  launch_kernel(kernel, dim3(tiles + merges, p.num_kv_heads), kWarps * 32, smem_bytes<D>(),
+                c10::cuda::getCurrentCUDAStream(), p, splits, rows_per_tile);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

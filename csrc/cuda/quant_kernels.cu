@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "cuda/fused_common.cuh"
+#include "cuda/launch.cuh"
 #include "cuda/launchers.h"
 
 namespace compilelm::cuda {
@@ -32,6 +33,8 @@ __device__ __forceinline__ void load_y(const T* x_row, int cols, int c, float (&
 
 template <typename T, int N, bool kSiluMul, QuantMode kQuant>
 __global__ void quant_kernel(const RowParams p) {
+  wait_for_prior_kernels();  // PDL (launch.cuh): before any read of earlier kernels' outputs
+  allow_dependent_kernels();
   const int64_t row = blockIdx.x;
   const int chunks = p.cols / N;
   const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
@@ -66,9 +69,9 @@ void launch(const RowParams& p, QuantMode quant) {
   const int threads = row_threads(p.cols / N);
   const auto stream = c10::cuda::getCurrentCUDAStream();
   if (quant == QuantMode::kStatic) {
-    quant_kernel<T, N, kSiluMul, QuantMode::kStatic><<<p.rows, threads, 0, stream>>>(p);
+    launch_kernel(quant_kernel<T, N, kSiluMul, QuantMode::kStatic>, p.rows, threads, 0, stream, p);
   } else {
-    quant_kernel<T, N, kSiluMul, QuantMode::kDynamic><<<p.rows, threads, 0, stream>>>(p);
+    launch_kernel(quant_kernel<T, N, kSiluMul, QuantMode::kDynamic>, p.rows, threads, 0, stream, p);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

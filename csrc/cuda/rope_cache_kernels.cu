@@ -17,6 +17,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "cuda/convert.cuh"
+#include "cuda/launch.cuh"
 #include "cuda/launchers.h"
 
 namespace compilelm::cuda {
@@ -26,6 +27,8 @@ constexpr int kWarpsPerBlock = 4;
 
 template <typename T, typename CosT, int D, bool kNorm>
 __global__ void rope_and_cache_kernel(const RopeCacheParams p) {
+  wait_for_prior_kernels();  // PDL (launch.cuh): before any read of earlier kernels' outputs
+  allow_dependent_kernels();
   constexpr int E = D / 32;
   const int token = blockIdx.x;
   const int unit = blockIdx.y * kWarpsPerBlock + threadIdx.x / 32;
@@ -85,9 +88,9 @@ void launch(const RopeCacheParams& p) {
   const dim3 grid(p.num_tokens, (units + kWarpsPerBlock - 1) / kWarpsPerBlock);
   const auto stream = c10::cuda::getCurrentCUDAStream();
   if (p.q_norm_weight != nullptr) {
-    rope_and_cache_kernel<T, CosT, D, true><<<grid, 32 * kWarpsPerBlock, 0, stream>>>(p);
+    launch_kernel(rope_and_cache_kernel<T, CosT, D, true>, grid, 32 * kWarpsPerBlock, 0, stream, p);
   } else {
-    rope_and_cache_kernel<T, CosT, D, false><<<grid, 32 * kWarpsPerBlock, 0, stream>>>(p);
+    launch_kernel(rope_and_cache_kernel<T, CosT, D, false>, grid, 32 * kWarpsPerBlock, 0, stream, p);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -32,6 +32,7 @@
 #include "cuda/attention_common.cuh"
 #include "cuda/convert.cuh"
 #include "cuda/cuda_ops.h"
+#include "cuda/launch.cuh"
 
 namespace compilelm::cuda {
 namespace {
@@ -77,6 +78,8 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
   const bool active = n < p.n_cols;  // (no early return: the norm's block syncs need every thread)
   const T* row = static_cast<const T*>(p.w) + static_cast<int64_t>(active ? n : 0) * p.w_stride;
   const int chunks = p.k / kVec;  // 16-byte chunks of one row
+  wait_for_prior_kernels();  // PDL (launch.cuh): before any read of earlier kernels' outputs
+  allow_dependent_kernels();
 
   uint4 wv[kLoads];
   const auto load_step = [&](int base) {
@@ -184,9 +187,9 @@ void launch(const SkinnyParams& p, int64_t rows) {
   const size_t shared = kNorm == Norm::kNone ? 0 : rows * p.k * sizeof(T);  // <= kMaxNormBytes
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (rows == 1) {
-    skinny_mm_kernel<T, 1, kNorm><<<grid, block, shared, stream>>>(p);
+    launch_kernel(skinny_mm_kernel<T, 1, kNorm>, grid, block, shared, stream, p);
   } else {
-    skinny_mm_kernel<T, 2, kNorm><<<grid, block, shared, stream>>>(p);
+    launch_kernel(skinny_mm_kernel<T, 2, kNorm>, grid, block, shared, stream, p);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
