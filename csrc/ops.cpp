@@ -79,7 +79,7 @@ TORCH_LIBRARY(compilelm, m) {
 
   // One-shot all-reduce over peer memory, CUDA only (csrc/cuda/allreduce_kernels.cu); called by
   // compilelm/distributed/custom_all_reduce.py, which owns the buffers: buffer_ptrs = every rank's
-  // symmetric buffer (flags, then buffer_bytes for the rows), rank = this rank's index in it.
+  // peer-visible buffer (flags, then buffer_bytes for the rows), rank = this rank's index in it.
   // x: [num_tokens, hidden] contiguous. Not functional: it writes the buffers (no tensor args).
   m.def("custom_all_reduce(Tensor x, int[] buffer_ptrs, int rank, int buffer_bytes) -> Tensor");
   // residual_out = all_reduce(x) + residual; (rms_norm(residual_out), residual_out)
