@@ -31,7 +31,6 @@
 // correct for every input, the kernels are the fast path.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
-#include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -329,7 +328,7 @@ at::Tensor silu_mul_skinny_mm(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "silu_mul_skinny_mm: x and weight must have one dtype, got ",
               x.scalar_type(), " and ", weight.scalar_type());
   const int64_t k = weight.size(1);
-  if (!fast_path(x, weight)) return at::mm(at::mul(at::silu(x.narrow(1, 0, k)), x.narrow(1, k, k)), weight.t());
+  if (!fast_path(x, weight)) return at::mm(at::silu(x.narrow(1, 0, k)) * x.narrow(1, k, k), weight.t());
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
   dispatch<Prologue::kSiluMul>(mm_params(x, weight, y), x.scalar_type(), x.size(0));
