@@ -61,7 +61,6 @@ at::Tensor rms_norm_skinny_mm(const at::Tensor& x, const at::Tensor& norm_weight
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_skinny_mm(const at::Tensor& x, const at::Tensor& residual,
                                                                 const at::Tensor& norm_weight, double eps,
                                                                 const at::Tensor& weight);
-at::Tensor silu_mul_skinny_mm(const at::Tensor& x, const at::Tensor& weight);
 
 // allreduce_kernels.cu
 at::Tensor custom_all_reduce(const at::Tensor& x, at::IntArrayRef buffer_ptrs, int64_t rank, int64_t buffer_bytes);

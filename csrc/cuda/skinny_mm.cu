@@ -1,6 +1,5 @@
-// skinny_mm: y = x @ weight.T for one or two rows of x (decode at batch 1-2), CUDA cores, alone,
-// after an RMSNorm (rms_norm_skinny_mm, fused_add_rms_norm_skinny_mm) or after SiLU-and-mul
-// (silu_mul_skinny_mm).
+// skinny_mm: y = x @ weight.T for one or two rows of x (decode at batch 1-2), CUDA cores, alone
+// or after an RMSNorm (rms_norm_skinny_mm, fused_add_rms_norm_skinny_mm).
 //
 // At M <= 2 a linear layer is a stream over its weight: every byte is read once and used for M
 // multiply-adds. cuBLAS's tile choices leave bandwidth unused on some shapes (on an H100 at
@@ -21,17 +20,11 @@
 // norm is redone per block (4 columns), not per warp: applying it per warp and chunk made the
 // kernel ALU-bound (8B gate_up 82 -> 139 us on an H100).
 //
-// silu_mul_skinny_mm takes the MLP's gate_up output [M, 2K] and applies SiLU-and-mul (eager's
-// roundings, T(T(silu(gate)) * up)) to each chunk of x as a warp reads it, per warp: at K = 1536
-// (SmolLM2-135M's down_proj) that is a few hundred thousand exps per step, cheaper than the
-// kernel launch it saves; RMSNorm's per-warp cost above is why the pass limits K.
-//
 // More than kMaxRows rows, or layouts the kernel does not take (unaligned, strided K, mixed
 // dtypes), go to at::mm (after the norm kernel of fused_ops.cpp for the norm ops): the ops are
 // correct for every input, the kernels are the fast path.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
-#include <ATen/ops/silu.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -57,8 +50,7 @@ __device__ __forceinline__ uint4 load_weight(const void* ptr) {  // read once: k
   return v;
 }
 
-// What the kernel applies to x before the GEMV: nothing, (add +) RMSNorm, or SiLU-and-mul.
-enum class Prologue { kNone, kRms, kAddRms, kSiluMul };
+enum class Norm { kNone, kRms, kAddRms };
 
 struct SkinnyParams {
   const void* x;
@@ -76,7 +68,7 @@ struct SkinnyParams {
   float eps = 0.f;
 };
 
-template <typename T, int M, Prologue kPro>
+template <typename T, int M, Norm kNorm>
 __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyParams p) {
   constexpr int kVec = 16 / sizeof(T);
   extern __shared__ uint4 s_rows[];  // the norm variants: rms_norm(rows) as T, [M][k]
@@ -99,7 +91,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
   };
   load_step(lane);  // in flight while the norm runs
 
-  if constexpr (kPro == Prologue::kRms || kPro == Prologue::kAddRms) {
+  if constexpr (kNorm != Norm::kNone) {
     // pass 1: h = x (+ residual, rounded to T) into shared memory; sum of h^2 per row
     float sum_sq[M];
 #pragma unroll
@@ -108,7 +100,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
       for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
         float h[kVec];
         widen<T>(__ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + m * p.x_stride + c * kVec)), h);
-        if constexpr (kPro == Prologue::kAddRms) {
+        if constexpr (kNorm == Norm::kAddRms) {
           float r[kVec];
           widen<T>(__ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.residual) + m * p.residual_stride +
                                                         c * kVec)), r);
@@ -123,7 +115,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
         }
         const uint4 packed = *reinterpret_cast<const uint4*>(out);
         s_rows[m * chunks + c] = packed;
-        if (kPro == Prologue::kAddRms && blockIdx.x == 0) {
+        if (kNorm == Norm::kAddRms && blockIdx.x == 0) {
           reinterpret_cast<uint4*>(static_cast<T*>(p.residual_out) + m * p.k)[c] = packed;
         }
       }
@@ -153,19 +145,10 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
   }
   if (!active) return;
 
-  // chunk c of row m of the GEMV's input: x, its norm, or silu(gate) * up
+  // chunk c of row m of the (normalized) input
   const auto load_x = [&](int m, int c) -> uint4 {
-    if constexpr (kPro == Prologue::kNone) {
+    if constexpr (kNorm == Norm::kNone) {
       return __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + m * p.x_stride + c * kVec));
-    } else if constexpr (kPro == Prologue::kSiluMul) {  // x row: gate [k] | up [k]; T(T(silu(gate)) * up)
-      const T* row = static_cast<const T*>(p.x) + m * p.x_stride;
-      float gate[kVec], up[kVec];
-      widen<T>(__ldg(reinterpret_cast<const uint4*>(row + c * kVec)), gate);
-      widen<T>(__ldg(reinterpret_cast<const uint4*>(row + p.k + c * kVec)), up);
-      T out[kVec];
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) out[e] = from_float<T>(round_to<T>(gate[e] / (1.f + expf(-gate[e]))) * up[e]);
-      return *reinterpret_cast<const uint4*>(out);
     } else {
       return s_rows[m * chunks + c];
     }
@@ -198,26 +181,25 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
   }
 }
 
-template <typename T, Prologue kPro>
+template <typename T, Norm kNorm>
 void launch(const SkinnyParams& p, int64_t rows) {
   const dim3 grid((p.n_cols + kWarps - 1) / kWarps), block(kWarps * 32);
-  const bool norm = kPro == Prologue::kRms || kPro == Prologue::kAddRms;
-  const size_t shared = norm ? rows * p.k * sizeof(T) : 0;  // <= kMaxNormBytes
+  const size_t shared = kNorm == Norm::kNone ? 0 : rows * p.k * sizeof(T);  // <= kMaxNormBytes
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (rows == 1) {
-    launch_kernel(skinny_mm_kernel<T, 1, kPro>, grid, block, shared, stream, p);
+    launch_kernel(skinny_mm_kernel<T, 1, kNorm>, grid, block, shared, stream, p);
   } else {
-    launch_kernel(skinny_mm_kernel<T, 2, kPro>, grid, block, shared, stream, p);
+    launch_kernel(skinny_mm_kernel<T, 2, kNorm>, grid, block, shared, stream, p);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <Prologue kPro>
+template <Norm kNorm>
 void dispatch(const SkinnyParams& p, at::ScalarType dtype, int64_t rows) {
   switch (dtype) {
-    case at::kBFloat16: return launch<__nv_bfloat16, kPro>(p, rows);
-    case at::kHalf: return launch<__half, kPro>(p, rows);
-    default: return launch<float, kPro>(p, rows);
+    case at::kBFloat16: return launch<__nv_bfloat16, kNorm>(p, rows);
+    case at::kHalf: return launch<__half, kNorm>(p, rows);
+    default: return launch<float, kNorm>(p, rows);
   }
 }
 
@@ -286,14 +268,14 @@ std::tuple<at::Tensor, at::Tensor> norm_mm(const at::Tensor& x, const at::Tensor
   p.norm_weight = norm_weight.const_data_ptr();
   p.eps = static_cast<float>(eps);
   if (residual == nullptr) {
-    dispatch<Prologue::kRms>(p, x.scalar_type(), x.size(0));
+    dispatch<Norm::kRms>(p, x.scalar_type(), x.size(0));
     return {y, at::Tensor()};
   }
   at::Tensor residual_out = at::empty(x.sizes(), x.options());
   p.residual = residual->const_data_ptr();
   p.residual_stride = residual->stride(0);
   p.residual_out = residual_out.mutable_data_ptr();
-  dispatch<Prologue::kAddRms>(p, x.scalar_type(), x.size(0));
+  dispatch<Norm::kAddRms>(p, x.scalar_type(), x.size(0));
   return {y, residual_out};
 }
 
@@ -304,7 +286,7 @@ at::Tensor skinny_mm(const at::Tensor& x, const at::Tensor& weight) {
   if (!fast_path(x, weight)) return at::mm(x, weight.t());
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
-  dispatch<Prologue::kNone>(mm_params(x, weight, y), x.scalar_type(), x.size(0));
+  dispatch<Norm::kNone>(mm_params(x, weight, y), x.scalar_type(), x.size(0));
   return y;
 }
 
@@ -317,22 +299,6 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_skinny_mm(const at::Tensor
                                                                 const at::Tensor& norm_weight, double eps,
                                                                 const at::Tensor& weight) {
   return norm_mm(x, &residual, norm_weight, eps, weight, "fused_add_rms_norm_skinny_mm");
-}
-
-at::Tensor silu_mul_skinny_mm(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(x.is_cuda() && weight.device() == x.device(), "silu_mul_skinny_mm: x and weight must be on one CUDA "
-              "device, got ", x.device(), " and ", weight.device());
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == 2 * weight.size(1),
-              "silu_mul_skinny_mm: x must be [M, 2K] (gate | up) and weight [N, K], got ", x.sizes(), " and ",
-              weight.sizes());
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "silu_mul_skinny_mm: x and weight must have one dtype, got ",
-              x.scalar_type(), " and ", weight.scalar_type());
-  const int64_t k = weight.size(1);
-  if (!fast_path(x, weight)) return at::mm(at::silu(x.narrow(1, 0, k)) * x.narrow(1, k, k), weight.t());
-  const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
-  dispatch<Prologue::kSiluMul>(mm_params(x, weight, y), x.scalar_type(), x.size(0));
-  return y;
 }
 
 }  // namespace compilelm::cuda
