@@ -31,6 +31,7 @@ def test_generate_on_tiny_dummy_model():
     (["--max-model-len", "1"], "--max-model-len"),
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),  # 9 heads do not split in 2
     (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
+    (["--custom-all-reduce-min-bytes", "-5"], "--custom-all-reduce-min-bytes"),
 ])
 def test_bad_flag_is_named(args, flag):
     r = _cli("generate", "Hi", "--model", "dummy:smollm2-135m", *args)

@@ -28,6 +28,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                    help="schedule step N+1 while the GPU runs step N (default: on for CUDA with one rank)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over N ranks, one process each (gloo on CPU, NCCL on GPU)")
+    g.add_argument("--custom-all-reduce-min-bytes", type=int, default=None, metavar="BYTES",
+                   help="TP on CUDA: all-reduces from this size take the one-shot peer-memory kernel, smaller "
+                        "ones NCCL (default 1 MiB; 0 = every size it takes; -1 = NCCL only)")
     g.add_argument("--quantization", "-q", default=None, choices=["fp8"],
                    help="fp8: W8A8 linears (fp8 weights, per-token fp8 activations)")
     c = parser.add_argument_group("compilation")
@@ -54,7 +57,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
               kv_cache_memory_gb=args.kv_cache_memory_gb,
               gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size,
+              custom_all_reduce_min_bytes=getattr(args, "custom_all_reduce_min_bytes", None))
     if args.max_num_seqs is not None:
         kw["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens is not None:
@@ -74,7 +78,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                "max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
                "gpu_memory_utilization": "--gpu-memory-utilization",
                "kv_cache_memory_gb": "--kv-cache-memory-gb", "quantization": "--quantization",
-               "tensor_parallel_size": "--tensor-parallel-size"}
+               "tensor_parallel_size": "--tensor-parallel-size",
+               "custom_all_reduce_min_bytes": "--custom-all-reduce-min-bytes"}
     try:
         return make_engine_config(model, compilation_config=compilation, enforce_eager=args.enforce_eager,
                                   optimization_level=args.optimization_level, **kw)
