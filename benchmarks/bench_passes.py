@@ -10,7 +10,7 @@ CPU: best of 5 wall-clock runs (robust to other jobs on a shared CPU; the fused 
 compositions there, so CPU numbers measure the rewrite, not a kernel).
 
 (b) End to end (default on CUDA): an engine per setting, default -O2 (every pass on) vs the same
-with one fusion switched off: decode step time (median `engine.step()`, and the decode CUDA
+with one fusion switched off, both alive and measured in turns (`--rounds`, medians): decode step time (median `engine.step()`, and the decode CUDA
 graph's GPU time alone) at batch 1 and 64 with `--context` tokens of context, and the step that
 prefills one `--prefill`-token prompt (median of 3). RMSNorm+quant and SiLU+quant run the model in
 FP8 mode (`quantization="fp8"`); QK-norm+RoPE runs Qwen3-0.6B.
@@ -183,10 +183,10 @@ def attention_piece_rows(args, device) -> list[dict]:
     return rows
 
 
-def engine_times(model: str, quantization: str | None, off: str | None, args) -> dict:
-    """Decode step ms at each batch and the prefill step ms, for one engine setting."""
-    from benchmarks.bench_decode import prompts, time_ours
-    from compilelm import LLM, SamplingParams
+def build_engine(model: str, quantization: str | None, off: str | None, args):
+    """An engine at -O2 with the switch `off` turned off (None: every pass on), and what its start
+    found: seconds and the passes' matches (None when a cached compile ran no pass)."""
+    from compilelm import LLM
 
     max_len = max(args.prefill, args.context + args.steps + 16) + 16
     blocks = max(args.batches) * -(-(args.context + args.steps + 16) // 16) + -(-max_len // 16) + 16
@@ -198,12 +198,19 @@ def engine_times(model: str, quantization: str | None, off: str | None, args) ->
                   max_model_len=max_len, max_num_seqs=max(args.batches), max_num_batched_tokens=max(args.prefill, 256),
                   num_kv_blocks=blocks, enable_prefix_caching=False, compilation_config=compilation,
                   model_overrides={"num_hidden_layers": args.layers} if args.layers else {})
-    engine = llm.engine
     cold = [cm for cm in compiled if cm.mode != "warm"]  # a warm start loads pieces: no pass runs, no matches
     found: dict[str, int] = {}
     for p in (p for cm in cold for p in cm.manager.passes):  # (a pass may sit in both stages: summed)
         found[p.name] = found.get(p.name, 0) + p.matches
-    out = {"startup_s": time.perf_counter() - t0, "matches": None if compiled and not cold else found}
+    return llm, {"startup_s": time.perf_counter() - t0, "matches": None if compiled and not cold else found}
+
+
+def measure(engine, args) -> dict:
+    """Decode step ms at each batch (and its graph's GPU ms), and the step that prefills one prompt."""
+    from benchmarks.bench_decode import prompts, time_ours
+    from compilelm import SamplingParams
+
+    out = {}
     for b in args.batches:
         out[f"decode_b{b}_ms"], out[f"graph_b{b}_ms"] = time_ours(engine, b, args.context, args.steps)
     params = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -216,46 +223,67 @@ def engine_times(model: str, quantization: str | None, off: str | None, args) ->
         while engine.has_unfinished_requests():
             engine.step()
     out[f"prefill_{args.prefill}_ms"] = statistics.median(times[1:])
-    del llm, engine
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return out
 
 
-def matches(times: dict, switch: str) -> int | str:
-    return "cached" if times["matches"] is None else times["matches"].get(SWITCH_PASS[switch], 0)
+def medians(samples: list[dict]) -> dict:
+    return {k: (statistics.median(v for s in samples if (v := s[k]) is not None)
+                if any(s[k] is not None for s in samples) else None) for k in samples[0]}
+
+
+def free(*llms) -> None:
+    for llm in llms:
+        llm.engine.shutdown()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def matches(info: dict, switch: str) -> int | str:
+    return "cached" if info["matches"] is None else info["matches"].get(SWITCH_PASS[switch], 0)
 
 
 def e2e_rows(args) -> list[dict]:
-    measured: dict = {}  # (model, quantization, switch off) -> times; the -O2 baselines are shared
-
-    def times(model, quant, off):
-        if (model, quant, off) not in measured:
-            try:
-                measured[model, quant, off] = engine_times(model, quant, off, args)
-            except Exception as e:
-                measured[model, quant, off] = {"error": f"{type(e).__name__}: {e}"[:300]}
-            print(f"{model} quantization={quant} {off or 'all passes'}{' off' if off else ' on'}: "
-                  f"{measured[model, quant, off]}", flush=True)
-        return measured[model, quant, off]
-
+    """Each case: the all-on engine and the one with the case's switch off, both alive, measured
+    in turns for `--rounds` rounds (medians): host speed that drifts during the run, or an engine
+    built first and measured while the machine is still busy, reaches both sides alike."""
     rows = []
+    base = None  # (model, quantization, llm, info): the all-on engine, kept while cases share it
     for fusion, model, quant, switch in E2E_CASES:
         if fusion not in args.cases:
             continue
-        on, off = times(model, quant, None), times(model, quant, switch)
+        off_llm = None
+        try:
+            if base is None or base[:2] != (model, quant):
+                if base is not None:
+                    free(base[2])
+                base = None
+                base = (model, quant, *build_engine(model, quant, None, args))
+            off_llm, off_info = build_engine(model, quant, switch, args)
+            samples: dict[bool, list[dict]] = {True: [], False: []}
+            for _ in range(args.rounds):
+                samples[True].append(measure(base[2].engine, args))
+                samples[False].append(measure(off_llm.engine, args))
+        except Exception as e:
+            rows.append({"fusion": fusion, "model": model, "error": f"{type(e).__name__}: {e}"[:300]})
+            print(f"{fusion}: FAILED {rows[-1]['error']}", flush=True)
+            continue
+        finally:
+            if off_llm is not None:
+                free(off_llm)
+        on, off = medians(samples[True]), medians(samples[False])
+        print(f"{fusion} ({model}, quantization={quant}): on {on} | {switch} off {off}", flush=True)
         for key in on:
-            if key in ("error", "matches", "startup_s") or key not in off or (on[key] is None and off[key] is None):
+            if on[key] is None and off[key] is None:
                 continue
             row = {"fusion": fusion, "model": model.split(":")[-1] + (" fp8" if quant else ""), "measure": key,
-                   "on_ms": on[key], "off_ms": off[key], "matches_on": matches(on, switch),
-                   "matches_off": matches(off, switch)}
+                   "on_ms": on[key], "off_ms": off[key], "matches_on": matches(base[3], switch),
+                   "matches_off": matches(off_info, switch), "rounds": args.rounds}
             if on[key] and off[key]:
                 row["speedup"] = off[key] / on[key]
             rows.append(row)
-        if "error" in on or "error" in off:
-            rows.append({"fusion": fusion, "model": model, "error": on.get("error") or off.get("error")})
+    if base is not None:
+        free(base[2])
     return rows
 
 
@@ -275,6 +303,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=32, help="end to end: timed decode steps")
     ap.add_argument("--prefill", type=int, default=2048, help="end to end: prompt tokens of the prefill step")
     ap.add_argument("--layers", type=int, default=None, help="end to end: override num_hidden_layers (smoke tests)")
+    ap.add_argument("--rounds", type=int, default=3, help="end to end: on/off measured in turns, medians")
     ap.add_argument("--cache-dir", default=None, help="end to end: compile cache (default: a fresh one per engine)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

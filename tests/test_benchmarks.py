@@ -29,3 +29,33 @@ def test_throughput_cpu_smoke(tmp_path):
     assert ours["output_tok_s"] > 0 and ours["speedup_vs_hf"] == ours["output_tok_s"] / hf["output_tok_s"]
     saved = json.loads(out.read_text())
     assert saved["benchmark"] == "bench_throughput" and saved["env"]["torch"] and len(saved["rows"]) == 2
+
+
+def test_passes_end_to_end_measures_on_and_off_in_turns(tmp_path, monkeypatch):
+    """bench_passes (b) on CPU, 1 layer: two cases of one model share the all-on engine (3
+    engines, not 4), each side is measured `--rounds` times, alternating, and the rows carry
+    the medians."""
+    from benchmarks import bench_passes
+    built, measured = [], []
+    build, measure = bench_passes.build_engine, bench_passes.measure
+
+    def counting_build(model, quant, off, args):
+        built.append(off)
+        llm, info = build(model, quant, off, args)
+        llm.engine.setting = off
+        return llm, info
+
+    def recording_measure(engine, args):
+        measured.append(engine.setting)
+        return measure(engine, args)
+
+    monkeypatch.setattr(bench_passes, "build_engine", counting_build)
+    monkeypatch.setattr(bench_passes, "measure", recording_measure)
+    payload = bench_passes.main(["--device", "cpu", "--no-pieces", "--e2e", "--cases", "residual add out of addmm",
+                                 "skinny_mm", "--layers", "1", "--batches", "1", "--context", "16", "--steps", "2",
+                                 "--prefill", "32", "--rounds", "2", "--out", str(tmp_path / "passes.json")])
+    assert built == [None, "unfuse_residual_addmm", "skinny_mm"]
+    assert measured == [None, "unfuse_residual_addmm"] * 2 + [None, "skinny_mm"] * 2
+    rows = payload["e2e_rows"]
+    assert {r["measure"] for r in rows} == {"decode_b1_ms", "prefill_32_ms"} and len(rows) == 4
+    assert all(r["rounds"] == 2 and r["on_ms"] > 0 and r["off_ms"] > 0 and r["matches_on"] == 0 for r in rows)
