@@ -271,3 +271,15 @@ def test_custom_all_reduce_min_bytes_is_validated_and_configures_the_process():
     finally:
         car.configure_custom_all_reduce(None)
     assert car._min_bytes == car.MIN_BYTES
+
+
+def test_leaving_the_group_drops_the_peer_buffers_first(monkeypatch):
+    """destroy_distributed closes the one-shot all-reduce's buffers (collectively, unless a peer is
+    gone) before it touches the process group."""
+    from compilelm.distributed import custom_all_reduce, parallel_state
+    calls = []
+    monkeypatch.setattr(custom_all_reduce, "close_custom_all_reduce", lambda peers_present: calls.append(peers_present))
+    monkeypatch.setattr(parallel_state.dist, "is_initialized", lambda: calls.append("group?") or False)
+    parallel_state.destroy_distributed()
+    parallel_state.destroy_distributed(abort=True)
+    assert calls == [True, "group?", False, "group?"]
