@@ -231,9 +231,8 @@ def medians(samples: list[dict]) -> dict:
                 if any(s[k] is not None for s in samples) else None) for k in samples[0]}
 
 
-def free(*llms) -> None:
-    for llm in llms:
-        llm.engine.shutdown()
+def free(llm) -> None:
+    llm.engine.shutdown()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

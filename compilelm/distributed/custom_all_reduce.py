@@ -10,8 +10,9 @@ anything it does not take, go to NCCL.
 Measured on 2 x H100 (NV18, benchmarks/results/allreduce_fusion_gpu.json): 23 us vs NCCL + the
 norm kernel's 33 us at 256 x 4096 bf16 (22 vs 37 in an earlier run), but 1.4-2.1 us slower at
 1-64 tokens (0.5-1.4 earlier), where each call's two barriers (a system-scope CAS on the peer's
-flag, then a wait) cost more than NCCL's LL protocol. Pushing the rows into the peers' buffers with flags carried in the data (no barrier,
-one one-way trip) is the known way to win at decode sizes.
+flag, then a wait) cost more than NCCL's LL protocol. Pushing the rows into the peers' buffers
+with flags carried in the data (no barrier, one one-way trip) is the known way to win at decode
+sizes.
 
 Each rank allocates one buffer of `FLAG_BYTES + max_bytes` and maps every peer's buffer into its
 process through CUDA IPC handles (torch's storage sharing, `_share_cuda_`, gathered over the

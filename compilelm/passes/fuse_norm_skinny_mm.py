@@ -1,8 +1,9 @@
 """RMSNorm (+ residual add) + skinny_mm fusion (CUDA, post-grad, per piece): where a decode
 linear streams its weight through `compilelm.skinny_mm` (SkinnyMMPass, M <= 2 rows), the RMSNorm
 that feeds it moves into the same kernel. A decoder layer's two norms feed one linear each
-(qkv_proj, gate_up_proj), so every layer runs two kernels fewer at batch 1-2: the norm's
-statistics are taken by each warp from the rows it reads anyway (csrc/cuda/skinny_mm.cu).
+(qkv_proj, gate_up_proj), so every layer runs two kernels fewer at batch 1-2: each block of the
+kernel normalizes the rows into shared memory, then streams its weight rows against them
+(csrc/cuda/skinny_mm.cu).
 
     before                                                  after
     add = aten.add(x, residual)                             f = compilelm.fused_add_rms_norm_skinny_mm(
