@@ -7,12 +7,19 @@
 
 namespace compilelm {
 
-// key_cache / value_cache: [num_blocks, block_size, num_kv_heads, head_size], contiguous.
-inline void check_kv_cache(const at::Tensor& cache, const char* name, const at::Device& device) {
+// key_cache / value_cache: [num_blocks, block_size, num_kv_heads, head_size], contiguous; or, where
+// the kernels take strides (`strided`), any strides with head_size contiguous (e.g. a permuted
+// view of a [num_blocks, num_kv_heads, block_size, head_size] buffer).
+inline void check_kv_cache(const at::Tensor& cache, const char* name, const at::Device& device,
+                           bool strided = false) {
   TORCH_CHECK(cache.device() == device, name, " must be on ", device, ", got ", cache.device());
   TORCH_CHECK(cache.dim() == 4, name, " must be [num_blocks, block_size, num_kv_heads, head_size], got ",
               cache.sizes());
-  TORCH_CHECK(cache.is_contiguous(), name, " must be contiguous");
+  if (strided) {
+    TORCH_CHECK(cache.stride(3) == 1, name, " must be contiguous in head_size (strides ", cache.strides(), ")");
+  } else {
+    TORCH_CHECK(cache.is_contiguous(), name, " must be contiguous");
+  }
   const auto dtype = cache.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, name,
               " must be float32, bfloat16 or float16, got ", dtype);
@@ -59,7 +66,8 @@ inline void check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor
 
 inline void check_paged_attention_args(const at::Tensor& query, const at::Tensor& key_cache,
                                        const at::Tensor& value_cache, const at::Tensor& cu_seqlens_q,
-                                       const at::Tensor& seq_lens, const at::Tensor& block_tables) {
+                                       const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                                       bool strided_cache = false) {
   TORCH_CHECK(query.dim() == 3, "query must be [num_tokens, num_heads, head_size], got ", query.sizes());
   const auto dtype = query.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
@@ -67,14 +75,15 @@ inline void check_paged_attention_args(const at::Tensor& query, const at::Tensor
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query must be contiguous within a token (strides ", query.strides(), ")");
   for (const auto& [cache, name] : {std::pair{&key_cache, "key_cache"}, std::pair{&value_cache, "value_cache"}}) {
-    check_kv_cache(*cache, name, query.device());
+    check_kv_cache(*cache, name, query.device(), strided_cache);
     TORCH_CHECK(cache->scalar_type() == dtype, name, " dtype ", cache->scalar_type(),
                 " must match the query dtype ", dtype);
     TORCH_CHECK(cache->size(3) == query.size(2), name, " head_size ", cache->size(3),
                 " must match the query head_size ", query.size(2));
   }
-  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key_cache ", key_cache.sizes(),
-              " and value_cache ", value_cache.sizes(), " must have the same shape");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.strides() == value_cache.strides(),
+              "key_cache ", key_cache.sizes(), " and value_cache ", value_cache.sizes(),
+              " must have the same shape and strides");
   const int64_t num_heads = query.size(1);
   const int64_t num_kv_heads = key_cache.size(2);
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads (", num_heads,

@@ -66,7 +66,9 @@ __device__ __forceinline__ bool locate_row(const AttentionParams& p, bool all_ro
 
 // Merges the splits of decode row x, query head `head` into the output (all threads of the block
 // call it): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse). A padding row of
-// the all-rows fallback is zeroed. s_weight: shared scratch of kMaxSplits floats.
+// the all-rows fallback is zeroed. s_weight: shared scratch of kMaxSplits floats. The partials
+// are read through L2 (__ldcg): the decode kernel's last split merges partials that other
+// blocks of the same launch wrote, which an SM's L1 may hold stale.
 template <typename T>
 __device__ void merge_splits(const AttentionParams& p, const SplitParams& s, int x, int head, float* s_weight) {
   int token, seq, num_keys;
@@ -76,9 +78,9 @@ __device__ void merge_splits(const AttentionParams& p, const SplitParams& s, int
   }
   const int64_t first = (static_cast<int64_t>(x) * p.num_heads + head) * s.num_splits;
   float lse_max = -INFINITY;
-  for (int i = 0; i < s.num_splits; ++i) lse_max = fmaxf(lse_max, s.partial_lse[first + i]);
+  for (int i = 0; i < s.num_splits; ++i) lse_max = fmaxf(lse_max, __ldcg(s.partial_lse + first + i));
   for (int i = threadIdx.x; i < s.num_splits; i += blockDim.x) {
-    s_weight[i] = lse_max == -INFINITY ? 0.f : exp2f(s.partial_lse[first + i] - lse_max);  // empty: 0
+    s_weight[i] = lse_max == -INFINITY ? 0.f : exp2f(__ldcg(s.partial_lse + first + i) - lse_max);  // empty: 0
   }
   __syncthreads();
   float total = 0.f;
@@ -86,7 +88,7 @@ __device__ void merge_splits(const AttentionParams& p, const SplitParams& s, int
   const float inv = total > 0.f ? 1.f / total : 0.f;
   for (int d = threadIdx.x; d < p.head_size; d += blockDim.x) {
     float o = 0.f;
-    for (int i = 0; i < s.num_splits; ++i) o += s_weight[i] * s.partial_out[(first + i) * p.head_size + d];
+    for (int i = 0; i < s.num_splits; ++i) o += s_weight[i] * __ldcg(s.partial_out + (first + i) * p.head_size + d);
     static_cast<T*>(p.out)[(static_cast<int64_t>(token) * p.num_heads + head) * p.head_size + d] =
         from_float<T>(o * inv);
   }

@@ -12,13 +12,14 @@ namespace compilelm::cuda {
 // One paged_attention call. Layouts as in csrc/ops.cpp; all index tensors contiguous int32.
 struct AttentionParams {
   const void* query;            // [num_tokens, num_heads, head_size], token stride q_stride
-  const void* key_cache;        // [num_blocks, block_size, num_kv_heads, head_size]
-  const void* value_cache;      // [num_blocks, block_size, num_kv_heads, head_size]
+  const void* key_cache;        // [num_blocks, block_size, num_kv_heads, head_size], strides below
+  const void* value_cache;      // the same shape and strides
   void* out;                    // [num_tokens, num_heads, head_size], contiguous
   const int32_t* cu_seqlens_q;  // [num_seqs + 1]
   const int32_t* seq_lens;      // [num_seqs]
   const int32_t* block_tables;  // [num_seqs, max_blocks]
   int64_t q_stride;
+  int64_t block_stride, slot_stride, head_stride;  // of the caches, in elements (head_size: stride 1)
   int num_seqs, num_tokens, num_heads, num_kv_heads, group, head_size, block_size, max_blocks;
   float scale_log2;  // softmax scale * log2(e): scores are exponentiated with exp2
 };
@@ -29,6 +30,9 @@ struct SplitParams {
   int num_splits;      // 1: the decode kernel wrote the output itself
   float* partial_out;  // [rows, num_heads, num_splits, head_size]
   float* partial_lse;  // [rows, num_heads, num_splits], log2 of each split's softmax denominator
+  // all_rows only, or null: one arrival count per program x (zero between launches); the split
+  // that arrives last merges the program's heads, so no merge kernel runs.
+  int* arrivals;
 };
 
 // Launchers (host side, on the current stream; `query` gives dtype and device).

@@ -10,7 +10,10 @@
 // of programs that exit at once). Shapes the tiled kernel does not cover (fp32, head sizes
 // other than 64/128) run every row through the decode kernel, one row per program; so does a
 // batch the caller declares pure decode (max_query_len == 1, e.g. a full decode CUDA graph),
-// which then costs the decode kernel and, if it split, a small merge kernel: no prefill launch.
+// which then costs the decode kernel alone: its last split merges (no prefill launch).
+//
+// The caches may be any strided view with head_size contiguous: [num_blocks, block_size,
+// num_kv_heads, head_size] contiguous, or head-major blocks permuted to that shape.
 //
 // Values are trusted, as in any kernel that must not sync: cu_seqlens_q non-decreasing from 0,
 // q_len <= seq_len <= max_blocks * block_size, block ids inside the cache (the CPU kernel
@@ -35,7 +38,14 @@ at::Tensor paged_attention(
     int64_t max_query_len) {
   TORCH_CHECK(query.is_cuda(), "query must be a CUDA tensor, got ", query.device());
   TORCH_CHECK(max_query_len >= 0, "max_query_len must be >= 0 (0 = unknown), got ", max_query_len);
-  check_paged_attention_args(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables);
+  check_paged_attention_args(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables,
+                             /*strided_cache=*/true);
+  const int64_t elem = key_cache.element_size();
+  TORCH_CHECK(key_cache.stride(0) * elem % 16 == 0 && key_cache.stride(1) * elem % 16 == 0 &&
+                  key_cache.stride(2) * elem % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(key_cache.const_data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(value_cache.const_data_ptr()) % 16 == 0,
+              "cache rows must be 16-byte aligned (strides ", key_cache.strides(), ")");
   TORCH_CHECK(query.stride(0) * query.element_size() % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(query.const_data_ptr()) % 16 == 0,
               "query rows must be 16-byte aligned (token stride ", query.stride(0), ")");
@@ -65,6 +75,9 @@ at::Tensor paged_attention(
   p.seq_lens = lens.const_data_ptr<int32_t>();
   p.block_tables = tables.const_data_ptr<int32_t>();
   p.q_stride = query.stride(0);
+  p.block_stride = key_cache.stride(0);
+  p.slot_stride = key_cache.stride(1);
+  p.head_stride = key_cache.stride(2);
   p.num_seqs = static_cast<int>(num_seqs);
   p.num_tokens = static_cast<int>(query.size(0));
   p.num_heads = static_cast<int>(num_heads);

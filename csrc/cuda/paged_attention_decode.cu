@@ -9,15 +9,18 @@
 //
 // Split-K (flash-decoding): with few programs per SM (small batch, long context) the context
 // of each row is cut into num_splits equal chunks; each split writes its normalized partial
-// output and log2-sum-exp to a workspace; the prefill kernel, launched next, merges them (the
-// all-rows fallback launches a merge kernel). num_splits comes from shapes only (never from
-// seq_lens values), so the launch is CUDA-graph capturable.
+// output and log2-sum-exp to a workspace; the prefill kernel, launched next, merges them. In
+// the all-rows path (pure decode: full CUDA graphs) the split that finishes last merges them
+// itself: each split counts its arrival in a per-program counter, and the last one to arrive
+// resets it and merges (a merge kernel only where the counters are unavailable). num_splits
+// comes from shapes only (never from seq_lens values), so the launch is CUDA-graph capturable.
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
 #include <cmath>
+#include <mutex>
 
 #include "cuda/attention_common.cuh"
 #include "cuda/launch.cuh"
@@ -57,6 +60,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   constexpr int kGroups = Tile::kGroups, kUnroll = Tile::kUnroll;
   __shared__ float s_acc[kGroups][GP][D];
   __shared__ float s_m[kGroups][GP], s_l[kGroups][GP];
+  __shared__ float s_weight[kMaxSplits];
+  __shared__ bool s_last;
 
   const int lane = threadIdx.x % 32;
   const int lane_in_row = lane % kLanes;
@@ -72,7 +77,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 
   int token, seq, num_keys;
   if (!locate_row(p, s.all_rows, row, token, seq, num_keys)) {
-    if (s.all_rows && s.num_splits == 1 && row < p.num_tokens) {
+    const bool zeroes = s.num_splits == 1 || (s.arrivals != nullptr && split == 0);  // else the merge kernel
+    if (s.all_rows && zeroes && row < p.num_tokens) {
       zero_rows<T>(p, row, 1, head0, num_q);  // padding row
     }
     return;
@@ -110,9 +116,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 
   const int32_t* block_table = p.block_tables + static_cast<int64_t>(seq) * p.max_blocks;
-  const int64_t slot_stride = static_cast<int64_t>(p.num_kv_heads) * D;  // elements per cache slot
-  const T* k_base = static_cast<const T*>(p.key_cache) + kv_head * D + lane_in_row * kVec;
-  const T* v_base = static_cast<const T*>(p.value_cache) + kv_head * D + lane_in_row * kVec;
+  const int64_t head_offset = kv_head * p.head_stride + lane_in_row * kVec;
+  const T* k_base = static_cast<const T*>(p.key_cache) + head_offset;
+  const T* v_base = static_cast<const T*>(p.value_cache) + head_offset;
 
   // key rows base + u * kGroups + row_group (u < kUnroll) of one step; the next step's loads
   // are issued before this step's math, so every warp always has loads in flight
@@ -125,8 +131,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       const bool valid = key < end;
       int64_t offset = 0;
       if (valid) {
-        offset = (static_cast<int64_t>(block_table[key / p.block_size]) * p.block_size + key % p.block_size) *
-                 slot_stride;
+        offset = block_table[key / p.block_size] * p.block_stride + key % p.block_size * p.slot_stride;
       }
 #pragma unroll
       for (int l = 0; l < kLoads; ++l) {
@@ -246,6 +251,19 @@ __global__ void __launch_bounds__(kWarps * 32)
       if (d == 0) s.partial_lse[partial] = denom > 0.f ? m_max + log2f(denom) : -INFINITY;
     }
   }
+  if (s.arrivals == nullptr) return;
+  // The last split of this program to finish merges its heads (threadFenceReduction pattern):
+  // partials stored, made visible, then counted; the counter is reset for the next launch.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    s_last = atomicAdd(&s.arrivals[blockIdx.x], 1) == s.num_splits - 1;
+    if (s_last) s.arrivals[blockIdx.x] = 0;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  for (int g = 0; g < num_q; ++g) merge_splits<T>(p, s, row, head0 + g, s_weight);
 }
 
 // Merges the splits of (row, head) = divmod(program, num_heads): the all-rows fallback has no
@@ -277,6 +295,31 @@ int choose_num_splits(int64_t programs, int64_t capacity, int64_t max_context) {
   return best;
 }
 
+// Per-device arrival counters of the all-rows split-K (SplitParams::arrivals), all zero between
+// launches: every launch leaves them as it found them. Allocated once, outside stream capture
+// (the graphs' warm-up run comes first); null when capturing before that, or when a launch has
+// more programs than counters: then a merge kernel runs.
+constexpr int64_t kArrivalCounters = 1 << 16;
+
+int* arrival_counters(int64_t programs, cudaStream_t stream) {
+  static std::mutex mutex;
+  static int* counters[64] = {};
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  if (programs > kArrivalCounters || device >= 64) return nullptr;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (counters[device] == nullptr) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+    if (capturing != cudaStreamCaptureStatusNone) return nullptr;
+    int* buffer = nullptr;  // kept for the process's life, like a cuBLAS workspace
+    C10_CUDA_CHECK(cudaMalloc(&buffer, kArrivalCounters * sizeof(int)));
+    C10_CUDA_CHECK(cudaMemset(buffer, 0, kArrivalCounters * sizeof(int)));
+    counters[device] = buffer;
+  }
+  return counters[device];
+}
+
 template <typename T, int D, int GP>
 SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_rows, int64_t max_context,
                    at::Tensor& workspace) {
@@ -292,19 +335,19 @@ SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_r
   const int chunks = (p.group + GP - 1) / GP;
   const int splits = choose_num_splits(static_cast<int64_t>(rows) * p.num_kv_heads * chunks, capacity, max_context);
 
-  SplitParams s{all_rows, splits, nullptr, nullptr};
+  const int64_t programs = static_cast<int64_t>(rows) * p.num_kv_heads * chunks;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  SplitParams s{all_rows, splits, nullptr, nullptr, nullptr};
   if (splits > 1) {  // workspace from torch's caching allocator: stream-ordered, capture-safe
     const int64_t partials = static_cast<int64_t>(rows) * p.num_heads * splits;
     workspace = at::empty({partials * (p.head_size + 1)}, query.options().dtype(at::kFloat));
     s.partial_out = workspace.mutable_data_ptr<float>();
     s.partial_lse = s.partial_out + partials * p.head_size;
+    if (all_rows) s.arrivals = arrival_counters(programs, stream);
   }
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  launch_kernel(kernel, dim3(rows * p.num_kv_heads * chunks, splits), kWarps * 32, 0, stream, p, s);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (all_rows && splits > 1) {
+  launch_kernel(kernel, dim3(static_cast<unsigned>(programs), splits), kWarps * 32, 0, stream, p, s);
+  if (all_rows && splits > 1 && s.arrivals == nullptr) {
     launch_kernel(paged_attention_merge_kernel<T>, rows * p.num_heads, 128, 0, stream, p, s);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return s;
 }

@@ -143,8 +143,8 @@ __global__ void __launch_bounds__(kWarps * 32)
       const bool valid = key < num_keys;
       int64_t offset = 0;
       if (valid) {
-        const int64_t slot = static_cast<int64_t>(block_table[key / p.block_size]) * p.block_size + key % p.block_size;
-        offset = (slot * p.num_kv_heads + kv_head) * D + chunk * 8;
+        offset = block_table[key / p.block_size] * p.block_stride + key % p.block_size * p.slot_stride +
+                 kv_head * p.head_stride + chunk * 8;
       }
       const int dst = (stage * kBlockN + j) * kStride + chunk * 8;
       cp_async_16(s_k + dst, key_cache + offset, valid);
@@ -284,7 +284,6 @@ void launch(const AttentionParams& p, const SplitParams& splits) {
   const int merges = splits.num_splits > 1 ? p.num_seqs : 0;
   launch_kernel(kernel, dim3(tiles + merges, p.num_kv_heads), kWarps * 32, smem_bytes<D>(),
                 c10::cuda::getCurrentCUDAStream(), p, splits, rows_per_tile);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T>

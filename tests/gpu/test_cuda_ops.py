@@ -36,9 +36,17 @@ def assert_close(out, expected):
     assert error < relative, f"||out - ref|| / ||ref|| = {error:.2e}"
 
 
-def check_attention(inputs_cpu, max_query_len=0):
-    """CUDA kernel vs the plain-torch reference and vs the CPU kernel; padding rows are zero."""
-    inputs = cuda(inputs_cpu)
+def head_major(cache):
+    """The same values in a [num_blocks, num_kv_heads, block_size, head_size] buffer, seen as
+    [num_blocks, block_size, num_kv_heads, head_size] (a strided view)."""
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def check_attention(inputs_cpu, max_query_len=0, cache_layout=lambda cache: cache):
+    """CUDA kernel vs the plain-torch reference and vs the CPU kernel; padding rows are zero.
+    `cache_layout` re-lays the CUDA caches (the CPU kernel takes contiguous ones)."""
+    inputs = list(cuda(inputs_cpu))
+    inputs[1], inputs[2] = cache_layout(inputs[1]), cache_layout(inputs[2])
     poison_allocator(inputs[0].shape, inputs[0].dtype)
     out = paged_attention(*inputs, max_query_len=max_query_len)
     torch.cuda.synchronize()
@@ -105,11 +113,45 @@ def test_pure_decode_and_pure_prefill_batches(batch):
 @pytest.mark.parametrize("contexts", [(700, 33, 1, 2048, 64) * 3, (16000,), (1, 2)])
 def test_declared_pure_decode(dtype, head_size, group, contexts):
     # max_query_len=1 (a full decode graph): the decode kernel alone over every row, split-K merged
-    # by its own merge kernel, padding rows (past the last sequence) zeroed, as without the hint
-    check_attention(make_attention_inputs(
+    # by the split that finishes last, padding rows (past the last sequence) zeroed, as without
+    # the hint; run twice: the arrival counters must be back at zero after each launch
+    inputs = make_attention_inputs(
         [(1, n) for n in contexts], block_size=16, num_heads=2 * group, num_kv_heads=2, head_size=head_size,
         dtype=dtype, num_pad_rows=5,
-    ), max_query_len=1)
+    )
+    first = check_attention(inputs, max_query_len=1)
+    assert torch.equal(check_attention(inputs, max_query_len=1), first)
+
+
+@pytest.mark.parametrize("max_query_len", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_head_major_cache_view(max_query_len, dtype):
+    # caches laid out [num_blocks, num_kv_heads, block_size, head_size] and passed as the permuted
+    # view: both kernels address the cache by its strides
+    batch = [(1, 700), (1, 3), (1, 2048)] if max_query_len == 1 else mixed_batch(seed=9) + [(1, 1500)]
+    inputs = make_attention_inputs(batch, block_size=16, num_heads=16, num_kv_heads=4, head_size=128,
+                                   dtype=dtype, num_pad_rows=3)
+    contiguous = check_attention(inputs, max_query_len)
+    assert torch.equal(check_attention(inputs, max_query_len, cache_layout=head_major), contiguous)
+
+
+def test_decode_graph_replays_merge_in_kernel():
+    # A captured pure-decode call replayed with new contexts: each replay's last splits merge and
+    # reset their arrival counters (a counter left non-zero would skip or repeat a merge)
+    query, key_cache, value_cache, cu, seq_lens, tables, scale = cuda(make_attention_inputs(
+        [(1, 4000)] * 6, block_size=16, num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
+    ))
+    paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, max_query_len=1)  # warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, max_query_len=1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        seq_lens.copy_(torch.randint(1, 4001, (6,), generator=gen, dtype=torch.int32))
+        query.copy_(torch.randn(query.shape, generator=gen).to(query.dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, paged_attention_ref(query, key_cache, value_cache, cu, seq_lens, tables, scale))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
