@@ -63,7 +63,8 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 def time_ours(engine, batch: int, context: int, steps: int) -> tuple[float, float | None]:
     """Median ms of one engine step while `batch` requests decode at ~`context` tokens, and the
-    mean GPU ms of the forward's CUDA graph replayed alone (the rest is host work and sampling)."""
+    mean GPU ms of the decode CUDA graph (forward + LM head) replayed alone (the rest is host work,
+    the input copies and sampling)."""
     from compilelm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)

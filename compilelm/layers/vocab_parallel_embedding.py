@@ -55,7 +55,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection; also used through an embedding's weight when they are tied."""
 
 
-def compute_logits(hidden: torch.Tensor, head: VocabParallelEmbedding) -> torch.Tensor:
+def compute_logits(hidden: torch.Tensor, head: VocabParallelEmbedding, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The LM head's fp32 logits, written into `out` if given (a full decode graph's static
+    buffer: the copy is the same one kernel as the fp32 conversion)."""
     # hidden: [n, hidden] -> logits fp32 [n, vocab]
     if hidden.is_cuda and hidden.dim() == 2:  # at 1-2 rows the weight-streaming kernel, else cuBLAS
         logits = torch.ops.compilelm.skinny_mm.default(hidden, head.weight)
@@ -63,4 +65,4 @@ def compute_logits(hidden: torch.Tensor, head: VocabParallelEmbedding) -> torch.
         logits = F.linear(hidden, head.weight)
     if get_tp_size() > 1:
         logits = tensor_model_parallel_all_gather(logits, dim=-1)[:, :head.num_embeddings]
-    return logits.float()
+    return logits.float() if out is None else out.copy_(logits)

@@ -10,9 +10,10 @@ from a pinned host twin (non-blocking: preparing a step never waits for the GPU)
 
 Two kinds of graphs, picked per step by `CudaGraphDispatcher` (full -> piecewise -> eager):
 - FULL: pure-decode batches (one query token per sequence) replay a whole-model graph captured
-  at the next capture size; the rows past the real batch are padding that the kernels skip
-  (slot -1: no KV write; q_len 0 and seq_len 0: output row zeroed; block table row 0: the null
-  block).
+  at the next capture size, LM head included (every row of such a batch is sampled; the graph
+  writes fp32 logits into the runner's static buffer); the rows past the real batch are padding
+  that the kernels skip (slot -1: no KV write; q_len 0 and seq_len 0: output row zeroed; block
+  table row 0: the null block).
 - PIECEWISE (compiled models, piecewise_graphs.py): any batch of up to the largest capture size
   (prefill chunks and decodes mixed) is padded to the next size; each compiled piece replays its
   graph of that size and the attention ops run eagerly between them.
@@ -178,7 +179,8 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def capture(self, forward_fn, buffers: InputBuffers, kv_caches: dict, warm_sizes: Iterable[int] = ()) -> None:
-        """Captures `forward_fn(input_ids, positions)` at every size, largest first. An uncaptured
+        """Captures `forward_fn(input_ids, positions)` (the model runner's: hidden states, then
+        logits) at every size, largest first. An uncaptured
         warm-up run (lazy initialisation, Triton autotuning) comes before the first size and the
         sizes in `warm_sizes` (sizes that run other code). The dummy batch decodes one token per
         sequence over the null block and writes no KV (slot -1).
@@ -225,7 +227,7 @@ class CUDAGraphRunner:
 
     def replay(self, size: int) -> torch.Tensor:
         """Replays the graph of `size` on the values now in the input buffers; returns its output
-        (hidden states [size, hidden_size], valid until the next replay)."""
+        (what `forward_fn` returned at capture, valid until the next replay)."""
         graph, out = self.graphs[size]
         graph.replay()
         return out

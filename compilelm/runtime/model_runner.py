@@ -81,6 +81,7 @@ class ModelRunner:
         # On CUDA, step inputs go through static buffers (pinned host -> device, no sync), which
         # the graphs read; on CPU each step makes fresh tensors.
         self.buffers, self.cuda_graphs, self.piecewise_graphs = None, None, None
+        self.logits_buffer = None  # fp32 [largest full graph, vocab]: the full graphs' output
         self.dispatcher = CudaGraphDispatcher()  # no graphs: every step eager
         if device.type == "cuda":
             sched = config.scheduler
@@ -105,13 +106,20 @@ class ModelRunner:
             self.piecewise_graphs.capture(self.forward_fn, self.buffers, self.kv_caches, static, warm)
             stream = self.piecewise_graphs.stream
         if full:
+            self.logits_buffer = torch.empty(max(full), self.model.config.vocab_size, device=self.device)
             self.cuda_graphs = CUDAGraphRunner(full, pool, stream)
-            self.cuda_graphs.capture(self.forward_fn, self.buffers, self.kv_caches, warm)
+            self.cuda_graphs.capture(self._forward_logits, self.buffers, self.kv_caches, warm)
         self.dispatcher = CudaGraphDispatcher(tuple(full), tuple(piecewise))
         measured = sum(g.memory_bytes for g in (self.piecewise_graphs, self.cuda_graphs) if g is not None)
         estimate = graph_memory_estimate(self.model.config, next(self.model.parameters()).dtype, full, piecewise)
         logger.info("CUDA graph memory: %.0f MiB measured, %.0f MiB estimated (reserved before sizing the KV cache)",
                     measured / 2**20, estimate / 2**20)
+
+    def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """What a full decode graph runs: the forward, then the LM head over every row (each row
+        of a pure-decode batch is sampled) into the static logits buffer."""
+        hidden = self.forward_fn(input_ids, positions)  # [size, hidden]
+        return self.model.compute_logits(hidden, out=self.logits_buffer[:hidden.shape[0]])
 
     def release_graphs(self) -> None:
         """Drops the CUDA graphs; later steps run eagerly. A tensor-parallel rank does this before
@@ -240,14 +248,19 @@ class ModelRunner:
             # after the host -> device copy, before the forward or graph replay reads input_ids
             # (for graphs, a static buffer): stream-ordered after the previous step's sampler
             self._scatter_pending(input_ids, step)
+        num_rows = len(b.logits_idx)
         if step.graph_mode == "full":
-            hidden = self.cuda_graphs.replay(step.graph_size)  # [graph_size, hidden]
-        else:
-            pieces = (self.piecewise_graphs.at_size(step.graph_size) if step.graph_mode == "piecewise"
-                      else contextlib.nullcontext())
-            with set_forward_context(ForwardContext(meta, self.kv_caches)), pieces:
-                hidden = self.forward_fn(input_ids, positions)
-        if len(b.logits_idx) == 0:
+            logits = self.cuda_graphs.replay(step.graph_size)  # fp32 [graph_size, vocab], LM head included
+            if num_rows == 0:
+                return None
+            if np.array_equal(b.logits_idx, np.arange(num_rows)):  # every row sampled, in order
+                return logits[:num_rows]
+            return logits.index_select(0, logits_idx)
+        pieces = (self.piecewise_graphs.at_size(step.graph_size) if step.graph_mode == "piecewise"
+                  else contextlib.nullcontext())
+        with set_forward_context(ForwardContext(meta, self.kv_caches)), pieces:
+            hidden = self.forward_fn(input_ids, positions)
+        if num_rows == 0:
             return None
         return self.model.compute_logits(hidden[logits_idx])
 
