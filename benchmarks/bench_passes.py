@@ -73,14 +73,16 @@ E2E_CASES = [  # (fusion, model, quantization, switch turned off)
     ("rms_norm+quant", "dummy:smollm2-135m", "fp8", "fuse_norm_quant"),
     ("silu_mul+quant", "dummy:smollm2-135m", "fp8", "fuse_act_quant"),
     ("residual add out of addmm", "dummy:smollm2-135m", None, "unfuse_residual_addmm"),
-    ("skinny_mm", "dummy:smollm2-135m", None, "skinny_mm"),  # (switches the norm fusion off with it)
+    ("skinny_mm", "dummy:smollm2-135m", None, "skinny_mm"),  # (switches the skinny_mm fusions off with it)
     ("(add+) rms_norm+skinny_mm", "dummy:smollm2-135m", None, "fuse_norm_skinny_mm"),
+    ("silu_mul+skinny_mm", "dummy:smollm2-135m", None, "fuse_act_skinny_mm"),
 ]
 
 
 SWITCH_PASS = {"fuse_rope_attention": "RopeAttentionFusionPass", "fuse_norm_quant": "RMSNormQuantFusionPass",
                "fuse_act_quant": "SiluMulQuantFusionPass", "unfuse_residual_addmm": "UnfuseResidualAddmmPass",
-               "skinny_mm": "SkinnyMMPass", "fuse_norm_skinny_mm": "RMSNormSkinnyMMFusionPass"}
+               "skinny_mm": "SkinnyMMPass", "fuse_norm_skinny_mm": "RMSNormSkinnyMMFusionPass",
+               "fuse_act_skinny_mm": "SiluMulSkinnyMMFusionPass"}
 
 
 def bench(fn, args, iters: int, device: torch.device, repeats: int = 5) -> float:

@@ -76,6 +76,8 @@ TORCH_LIBRARY(compilelm, m) {
   m.def(
       "fused_add_rms_norm_skinny_mm(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight) "
       "-> (Tensor, Tensor)");
+  // x: [M, 2K] (gate | up) -> (silu(gate) * up) @ weight.T with SiluAndMul's roundings; weight: [N, K].
+  m.def("silu_mul_skinny_mm(Tensor x, Tensor weight) -> Tensor");
 
   // One-shot all-reduce over peer memory, CUDA only (csrc/cuda/allreduce_kernels.cu); called by
   // compilelm/distributed/custom_all_reduce.py, which owns the buffers: buffer_ptrs = every rank's

@@ -1,17 +1,21 @@
-"""skinny_mm: `x @ weight.T` for a linear layer at one or two rows (decode at batch 1-2), alone
-or after the RMSNorm (and residual add) that feeds it.
+"""skinny_mm: `x @ weight.T` for a linear layer at one or two rows (decode at batch 1-2), alone,
+after the RMSNorm (and residual add) that feeds it, or after the MLP's SiLU-and-mul.
 
 Schemas in csrc/ops.cpp; the CUDA kernel (csrc/cuda/skinny_mm.cu) streams the weight once with
 one warp per output column and takes M <= 2, handing larger M to cuBLAS (after the norm kernel
 for the norm ops). On CPU they are the torch compositions. `SkinnyMMPass` puts skinny_mm in place
 of the compiled graphs' linear matmuls on CUDA, `RMSNormSkinnyMMFusionPass` folds the norm before
-them in, and the LM head calls skinny_mm directly.
+them in, `SiluMulSkinnyMMFusionPass` the activation before down_proj, and the LM head calls
+skinny_mm directly.
 """
 
 import torch
 from torch import Tensor
 
+from compilelm.layers.activation import SiluAndMul
 from compilelm.layers.layernorm import rms_norm
+
+_silu_and_mul = SiluAndMul()
 
 
 def skinny_mm(x: Tensor, weight: Tensor) -> Tensor:
@@ -83,3 +87,25 @@ def _(x, norm_weight, eps, weight):
 def _(x, residual, norm_weight, eps, weight):
     _check_norm_mm(x, norm_weight, weight, "fused_add_rms_norm_skinny_mm")
     return x.new_empty((x.shape[0], weight.shape[0])), x.new_empty(x.shape)
+
+
+def silu_mul_skinny_mm(x: Tensor, weight: Tensor) -> Tensor:
+    # x: [M, 2K] (gate | up); weight: [N, K] -> (silu(gate) * up) @ weight.T: [M, N]
+    return torch.ops.compilelm.silu_mul_skinny_mm.default(x, weight)
+
+
+def silu_mul_skinny_mm_ref(x: Tensor, weight: Tensor) -> Tensor:
+    return skinny_mm_ref(_silu_and_mul(x), weight)
+
+
+@torch.library.register_kernel("compilelm::silu_mul_skinny_mm", "cpu")
+def _(x, weight):
+    return silu_mul_skinny_mm_ref(x, weight)
+
+
+@torch.library.register_fake("compilelm::silu_mul_skinny_mm")
+def _(x, weight):
+    torch._check(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == 2 * weight.shape[1],
+                 lambda: f"silu_mul_skinny_mm: x must be [M, 2K] (gate | up) and weight [N, K], got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    return x.new_empty((x.shape[0], weight.shape[0]))

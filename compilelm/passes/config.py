@@ -20,6 +20,7 @@ class PassConfig:
     unfuse_residual_addmm: bool = True  # UnfuseResidualAddmmPass (CUDA): addmm(residual, x, w) -> mm + add
     skinny_mm: bool = True  # SkinnyMMPass (CUDA): a linear's mm -> compilelm.skinny_mm (weight streamed at M <= 2)
     fuse_norm_skinny_mm: bool = True  # RMSNormSkinnyMMFusionPass (CUDA): (add +) rms_norm + skinny_mm -> one op
+    fuse_act_skinny_mm: bool = True  # SiluMulSkinnyMMFusionPass (CUDA): silu_and_mul + skinny_mm -> one op
 
     def __post_init__(self):
         for f in fields(self):

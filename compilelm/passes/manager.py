@@ -4,7 +4,7 @@ Inductor's `post_grad_custom_post_pass` for every piece.
 Order (documented, fixed):
 
     whole graph (before the split):  NoOpElimination, <whole-graph fusions>, <custom whole-graph>
-    post-grad (per piece):           NoOpElimination, UnfuseResidualAddmm, SkinnyMM, RMSNormSkinnyMM, <fusions>,
+    post-grad (per piece):           NoOpElimination, UnfuseResidualAddmm, SkinnyMM, RMSNormSkinnyMM, SiluMulSkinnyMM, <fusions>,
                                      <custom post-grad>,
                                      then always the tail: Cleanup, InplaceLowering, Cleanup
 
@@ -48,6 +48,9 @@ class PassManager(CustomGraphPass):
         if config.fuse_norm_skinny_mm:  # after SkinnyMM: it fuses into the skinny_mm nodes
             from compilelm.passes.fuse_norm_skinny_mm import RMSNormSkinnyMMFusionPass
             self.post_grad.append(RMSNormSkinnyMMFusionPass(config))
+        if config.fuse_act_skinny_mm:  # after SkinnyMM, likewise
+            from compilelm.passes.fuse_act_skinny_mm import SiluMulSkinnyMMFusionPass
+            self.post_grad.append(SiluMulSkinnyMMFusionPass(config))
         # Fusion passes are appended here, in order, each behind its PassConfig switch.
         if config.fuse_allreduce_rms:
             from compilelm.passes.fuse_allreduce_rms import AllReduceRMSNormFusionPass

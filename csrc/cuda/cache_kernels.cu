@@ -46,7 +46,6 @@ void launch(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cach
       static_cast<Unit*>(key_cache.mutable_data_ptr()), static_cast<Unit*>(value_cache.mutable_data_ptr()),
       slot_mapping.const_data_ptr<int64_t>(), key.stride(0) / unit_elems, value.stride(0) / unit_elems, row_units,
       key_cache.size(0) * key_cache.size(1));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace

@@ -54,6 +54,7 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_quant_fp8(const at::Tensor& x, const
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                       const at::Tensor& weight, double eps);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);  // no op of its own: a helper
+at::Tensor silu_and_mul(const at::Tensor& x);  // x: [M, 2K] rows (gate | up) -> [M, K]; a helper too
 
 // skinny_mm.cu
 at::Tensor skinny_mm(const at::Tensor& x, const at::Tensor& weight);
@@ -61,6 +62,7 @@ at::Tensor rms_norm_skinny_mm(const at::Tensor& x, const at::Tensor& norm_weight
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_skinny_mm(const at::Tensor& x, const at::Tensor& residual,
                                                                 const at::Tensor& norm_weight, double eps,
                                                                 const at::Tensor& weight);
+at::Tensor silu_mul_skinny_mm(const at::Tensor& x, const at::Tensor& weight);
 
 // allreduce_kernels.cu
 at::Tensor custom_all_reduce(const at::Tensor& x, at::IntArrayRef buffer_ptrs, int64_t rank, int64_t buffer_bytes);

@@ -155,6 +155,17 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_quant_fp8(const at::Tensor& x, const
   return quant_op(x, scale, /*silu_mul=*/true, /*return_scale=*/true, "silu_mul_quant_fp8");
 }
 
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  const at::Tensor x_rows = as_rows(x, "silu_and_mul");
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  const int64_t cols = x.size(-1) / 2;
+  at::Tensor out = at::empty({x_rows.size(0), cols}, x.options());
+  if (x_rows.size(0) == 0) return out;
+  launch_quant(row_params(x_rows, out, cols), x.scalar_type(), /*silu_mul=*/true, QuantMode::kNone,
+               can_vectorize(x_rows, cols));
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor> rms_norm_quant_fp8(const at::Tensor& x, const at::Tensor& weight, double eps,
                                                       const std::optional<at::Tensor>& scale) {
   auto [q, s, unused] = rms_norm_op(x, nullptr, weight, eps, scale, /*quant=*/true, "rms_norm_quant_fp8");

@@ -44,7 +44,8 @@ __device__ __forceinline__ void allow_dependent_kernels() {
 #endif
 }
 
-// kernel<<<grid, block, shared, stream>>>(args...), with the PDL attribute where enabled.
+// kernel<<<grid, block, shared, stream>>>(args...), with the PDL attribute where enabled. The launch
+// error is checked here (no C10_CUDA_KERNEL_LAUNCH_CHECK after it).
 template <typename... Params, typename... Args>
 void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared, cudaStream_t stream,
                    Args&&... args) {

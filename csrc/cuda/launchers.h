@@ -72,7 +72,8 @@ struct RowParams {
 // RMSNorm of x (or of x + residual, with `add`), then `quant`. vectorized: 16-byte accesses
 // (cols, strides and pointers allow it).
 void launch_rms_norm(const RowParams& p, at::ScalarType dtype, bool add, QuantMode quant, bool vectorized);
-// Quantization of x, or of silu(gate) * up with `silu_mul` (x = gate | up); quant != kNone.
+// Quantization of x, or of silu(gate) * up with `silu_mul` (x = gate | up); kNone (silu_mul
+// only) stores silu(gate) * up in x's dtype.
 void launch_quant(const RowParams& p, at::ScalarType dtype, bool silu_mul, QuantMode quant, bool vectorized);
 
 // One rope_and_cache call (see rope_and_cache.cpp). Heads are contiguous rows of head_size

@@ -1,7 +1,9 @@
 // FP8 quantization row kernels: quant_fp8_per_token, quant_fp8_static, silu_mul_quant_fp8
-// (entry points and checks: fused_ops.cpp). One program per token row:
+// (entry points and checks: fused_ops.cpp), and SiLU-and-mul alone (silu_mul_skinny_mm's
+// fallback above two rows). One program per token row:
 //
 //   y = x, or with silu_mul  y = T(T(silu(gate)) * up)  (torch's roundings of F.silu(gate) * up)
+//   kNone     store y (x's dtype)
 //   kStatic   store fp8(y / scale)
 //   kDynamic  amax(|y|) over the row; scale = max(amax / 448, 1 / (448 * 512)); store fp8(y / scale)
 //             (y is recomputed from the row the same thread just read: L1/L2 hits)
@@ -38,6 +40,17 @@ __global__ void quant_kernel(const RowParams p) {
   const int64_t row = blockIdx.x;
   const int chunks = p.cols / N;
   const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
+  if constexpr (kQuant == QuantMode::kNone) {
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+      float y[N];
+      load_y<T, N, kSiluMul>(x, p.cols, c, y);
+      Vec<T, N> o;
+#pragma unroll
+      for (int i = 0; i < N; ++i) o.v[i] = from_float<T>(y[i]);
+      store_vec<T, N>(static_cast<T*>(p.out) + row * p.cols, c, o);
+    }
+    return;
+  }
   auto* out = static_cast<__nv_fp8_storage_t*>(p.out) + row * p.cols;
 
   float scale = 1.f;
@@ -68,12 +81,13 @@ template <typename T, int N, bool kSiluMul>
 void launch(const RowParams& p, QuantMode quant) {
   const int threads = row_threads(p.cols / N);
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  if (quant == QuantMode::kStatic) {
+  if (quant == QuantMode::kNone) {
+    launch_kernel(quant_kernel<T, N, kSiluMul, QuantMode::kNone>, p.rows, threads, 0, stream, p);
+  } else if (quant == QuantMode::kStatic) {
     launch_kernel(quant_kernel<T, N, kSiluMul, QuantMode::kStatic>, p.rows, threads, 0, stream, p);
   } else {
     launch_kernel(quant_kernel<T, N, kSiluMul, QuantMode::kDynamic>, p.rows, threads, 0, stream, p);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T>

@@ -92,7 +92,6 @@ void launch(const RopeCacheParams& p) {
   } else {
     launch_kernel(rope_and_cache_kernel<T, CosT, D, false>, grid, 32 * kWarpsPerBlock, 0, stream, p);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T, typename CosT>

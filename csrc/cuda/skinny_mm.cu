@@ -1,5 +1,6 @@
-// skinny_mm: y = x @ weight.T for one or two rows of x (decode at batch 1-2), CUDA cores, alone
-// or after an RMSNorm (rms_norm_skinny_mm, fused_add_rms_norm_skinny_mm).
+// skinny_mm: y = x @ weight.T for one or two rows of x (decode at batch 1-2), CUDA cores, alone,
+// after an RMSNorm (rms_norm_skinny_mm, fused_add_rms_norm_skinny_mm) or after SiLU-and-mul
+// (silu_mul_skinny_mm).
 //
 // At M <= 2 a linear layer is a stream over its weight: every byte is read once and used for M
 // multiply-adds. cuBLAS's tile choices leave bandwidth unused on some shapes (on an H100 at
@@ -20,9 +21,16 @@
 // norm is redone per block (4 columns), not per warp: applying it per warp and chunk made the
 // kernel ALU-bound (8B gate_up 82 -> 139 us on an H100).
 //
+// silu_mul_skinny_mm takes the MLP's gate_up output [M, 2K] and applies SiLU-and-mul (eager's
+// roundings, T(T(silu(gate)) * up), the exp in fast math) the same way: once per block, into
+// shared memory, before the weight stream. (Applied per warp as each chunk was read, it cost
+// more than the launch it saved: SmolLM2-135M's decode graph 0.714 -> 0.744 ms on an H100.)
+// The pass limits K: every block recomputes all K activations.
+//
 // More than kMaxRows rows, or layouts the kernel does not take (unaligned, strided K, mixed
-// dtypes), go to at::mm (after the norm kernel of fused_ops.cpp for the norm ops): the ops are
-// correct for every input, the kernels are the fast path.
+// dtypes, rows over kMaxSharedBytes), go to at::mm (after the norm kernel of fused_ops.cpp for
+// the norm ops, after the SiLU-and-mul kernel for silu_mul_skinny_mm: as many kernels as the
+// unfused graph): the ops are correct for every input, the kernels are the fast path.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <c10/cuda/CUDAException.h>
@@ -40,7 +48,7 @@ namespace {
 constexpr int kMaxRows = 2;   // M above this: cuBLAS (at M = 2 the kernel is already only level with it on 8B shapes)
 constexpr int kWarps = 4;     // warps (output columns) per block
 constexpr int kLoads = 4;     // 16-byte weight loads in flight per lane, per step
-constexpr int64_t kMaxNormBytes = 48 * 1024;  // the norm variants' shared rows (M x K): the default limit
+constexpr int64_t kMaxSharedBytes = 48 * 1024;  // the prologue variants' shared rows (M x K): the default limit
 
 __device__ __forceinline__ uint4 load_weight(const void* ptr) {  // read once: keep it out of L1
   uint4 v;
@@ -50,7 +58,8 @@ __device__ __forceinline__ uint4 load_weight(const void* ptr) {  // read once: k
   return v;
 }
 
-enum class Norm { kNone, kRms, kAddRms };
+// What the kernel applies to x before the GEMV: nothing, (add +) RMSNorm, or SiLU-and-mul.
+enum class Prologue { kNone, kRms, kAddRms, kSiluMul };
 
 struct SkinnyParams {
   const void* x;
@@ -68,10 +77,10 @@ struct SkinnyParams {
   float eps = 0.f;
 };
 
-template <typename T, int M, Norm kNorm>
+template <typename T, int M, Prologue kPro>
 __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyParams p) {
   constexpr int kVec = 16 / sizeof(T);
-  extern __shared__ uint4 s_rows[];  // the norm variants: rms_norm(rows) as T, [M][k]
+  extern __shared__ uint4 s_rows[];  // the prologue variants: the GEMV's input rows as T, [M][k]
   __shared__ float s_sum_sq[kWarps][M];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n = blockIdx.x * kWarps + warp;
@@ -89,9 +98,28 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
       wv[i] = active && c < chunks ? load_weight(row + c * kVec) : make_uint4(0, 0, 0, 0);
     }
   };
-  load_step(lane);  // in flight while the norm runs
+  load_step(lane);  // in flight while the prologue runs
 
-  if constexpr (kNorm != Norm::kNone) {
+  if constexpr (kPro == Prologue::kSiluMul) {  // x row: gate [k] | up [k] -> T(T(silu(gate)) * up)
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const T* x_row = static_cast<const T*>(p.x) + m * p.x_stride;
+      for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+        float gate[kVec], up[kVec];
+        widen<T>(__ldg(reinterpret_cast<const uint4*>(x_row + c * kVec)), gate);
+        widen<T>(__ldg(reinterpret_cast<const uint4*>(x_row + p.k + c * kVec)), up);
+        T out[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          out[e] = from_float<T>(round_to<T>(__fdividef(gate[e], 1.f + __expf(-gate[e]))) * up[e]);
+        }
+        s_rows[m * chunks + c] = *reinterpret_cast<const uint4*>(out);
+      }
+    }
+    __syncthreads();
+  }
+
+  if constexpr (kPro == Prologue::kRms || kPro == Prologue::kAddRms) {
     // pass 1: h = x (+ residual, rounded to T) into shared memory; sum of h^2 per row
     float sum_sq[M];
 #pragma unroll
@@ -100,7 +128,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
       for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
         float h[kVec];
         widen<T>(__ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + m * p.x_stride + c * kVec)), h);
-        if constexpr (kNorm == Norm::kAddRms) {
+        if constexpr (kPro == Prologue::kAddRms) {
           float r[kVec];
           widen<T>(__ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.residual) + m * p.residual_stride +
                                                         c * kVec)), r);
@@ -115,7 +143,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
         }
         const uint4 packed = *reinterpret_cast<const uint4*>(out);
         s_rows[m * chunks + c] = packed;
-        if (kNorm == Norm::kAddRms && blockIdx.x == 0) {
+        if (kPro == Prologue::kAddRms && blockIdx.x == 0) {
           reinterpret_cast<uint4*>(static_cast<T*>(p.residual_out) + m * p.k)[c] = packed;
         }
       }
@@ -145,9 +173,9 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
   }
   if (!active) return;
 
-  // chunk c of row m of the (normalized) input
+  // chunk c of row m of the GEMV's input: x, its norm, or silu(gate) * up
   const auto load_x = [&](int m, int c) -> uint4 {
-    if constexpr (kNorm == Norm::kNone) {
+    if constexpr (kPro == Prologue::kNone) {
       return __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + m * p.x_stride + c * kVec));
     } else {
       return s_rows[m * chunks + c];
@@ -181,25 +209,24 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
   }
 }
 
-template <typename T, Norm kNorm>
+template <typename T, Prologue kPro>
 void launch(const SkinnyParams& p, int64_t rows) {
   const dim3 grid((p.n_cols + kWarps - 1) / kWarps), block(kWarps * 32);
-  const size_t shared = kNorm == Norm::kNone ? 0 : rows * p.k * sizeof(T);  // <= kMaxNormBytes
+  const size_t shared = kPro == Prologue::kNone ? 0 : rows * p.k * sizeof(T);  // <= kMaxSharedBytes
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (rows == 1) {
-    launch_kernel(skinny_mm_kernel<T, 1, kNorm>, grid, block, shared, stream, p);
+    launch_kernel(skinny_mm_kernel<T, 1, kPro>, grid, block, shared, stream, p);
   } else {
-    launch_kernel(skinny_mm_kernel<T, 2, kNorm>, grid, block, shared, stream, p);
+    launch_kernel(skinny_mm_kernel<T, 2, kPro>, grid, block, shared, stream, p);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <Norm kNorm>
+template <Prologue kPro>
 void dispatch(const SkinnyParams& p, at::ScalarType dtype, int64_t rows) {
   switch (dtype) {
-    case at::kBFloat16: return launch<__nv_bfloat16, kNorm>(p, rows);
-    case at::kHalf: return launch<__half, kNorm>(p, rows);
-    default: return launch<float, kNorm>(p, rows);
+    case at::kBFloat16: return launch<__nv_bfloat16, kPro>(p, rows);
+    case at::kHalf: return launch<__half, kPro>(p, rows);
+    default: return launch<float, kPro>(p, rows);
   }
 }
 
@@ -256,7 +283,7 @@ std::tuple<at::Tensor, at::Tensor> norm_mm(const at::Tensor& x, const at::Tensor
   }
   const bool fast = fast_path(x, weight) && (residual == nullptr || aligned_rows(*residual)) &&
                     norm_weight.stride(0) == 1 && reinterpret_cast<uintptr_t>(norm_weight.const_data_ptr()) % 16 == 0 &&
-                    x.size(0) * x.size(1) * x.element_size() <= kMaxNormBytes;
+                    x.size(0) * x.size(1) * x.element_size() <= kMaxSharedBytes;
   if (!fast) {  // the norm kernel, then cuBLAS
     if (residual == nullptr) return {at::mm(rms_norm(x, norm_weight, eps), weight.t()), at::Tensor()};
     auto [normed, residual_out] = fused_add_rms_norm(x, *residual, norm_weight, eps);
@@ -268,14 +295,14 @@ std::tuple<at::Tensor, at::Tensor> norm_mm(const at::Tensor& x, const at::Tensor
   p.norm_weight = norm_weight.const_data_ptr();
   p.eps = static_cast<float>(eps);
   if (residual == nullptr) {
-    dispatch<Norm::kRms>(p, x.scalar_type(), x.size(0));
+    dispatch<Prologue::kRms>(p, x.scalar_type(), x.size(0));
     return {y, at::Tensor()};
   }
   at::Tensor residual_out = at::empty(x.sizes(), x.options());
   p.residual = residual->const_data_ptr();
   p.residual_stride = residual->stride(0);
   p.residual_out = residual_out.mutable_data_ptr();
-  dispatch<Norm::kAddRms>(p, x.scalar_type(), x.size(0));
+  dispatch<Prologue::kAddRms>(p, x.scalar_type(), x.size(0));
   return {y, residual_out};
 }
 
@@ -286,7 +313,7 @@ at::Tensor skinny_mm(const at::Tensor& x, const at::Tensor& weight) {
   if (!fast_path(x, weight)) return at::mm(x, weight.t());
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
-  dispatch<Norm::kNone>(mm_params(x, weight, y), x.scalar_type(), x.size(0));
+  dispatch<Prologue::kNone>(mm_params(x, weight, y), x.scalar_type(), x.size(0));
   return y;
 }
 
@@ -299,6 +326,23 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_skinny_mm(const at::Tensor
                                                                 const at::Tensor& norm_weight, double eps,
                                                                 const at::Tensor& weight) {
   return norm_mm(x, &residual, norm_weight, eps, weight, "fused_add_rms_norm_skinny_mm");
+}
+
+at::Tensor silu_mul_skinny_mm(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.is_cuda() && weight.device() == x.device(), "silu_mul_skinny_mm: x and weight must be on one CUDA "
+              "device, got ", x.device(), " and ", weight.device());
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == 2 * weight.size(1),
+              "silu_mul_skinny_mm: x must be [M, 2K] (gate | up) and weight [N, K], got ", x.sizes(), " and ",
+              weight.sizes());
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "silu_mul_skinny_mm: x and weight must have one dtype, got ",
+              x.scalar_type(), " and ", weight.scalar_type());
+  if (!fast_path(x, weight) || x.size(0) * weight.size(1) * x.element_size() > kMaxSharedBytes) {
+    return at::mm(silu_and_mul(x), weight.t());  // two kernels, as unfused
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
+  dispatch<Prologue::kSiluMul>(mm_params(x, weight, y), x.scalar_type(), x.size(0));
+  return y;
 }
 
 }  // namespace compilelm::cuda

@@ -172,3 +172,67 @@ def test_norm_skinny_mm_ops_cpu_and_opcheck():
     with pytest.raises(RuntimeError, match="norm_weight"):
         with FakeTensorMode():
             ops.rms_norm_skinny_mm(torch.empty(3, 40), torch.empty(41), EPS, torch.empty(7, 40))
+
+
+# -- SiluMulSkinnyMMFusionPass: the MLP's activation before down_proj's skinny_mm joins it -------
+
+def mlp_down(x, w_gate_up, w_down):
+    """gate_up -> SiLU-and-mul -> down_proj, as the model's MLP runs it."""
+    from compilelm.layers.activation import SiluAndMul
+    return torch.mm(SiluAndMul()(torch.mm(x, w_gate_up.t())), w_down.t())
+
+
+def act_shared(x, w_down):
+    """The activation also feeds something else: it must stay."""
+    from compilelm.layers.activation import SiluAndMul
+    act = SiluAndMul()(x)
+    return torch.mm(act, w_down.t()), act.sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_before_skinny_mm_fuses_into_it(dtype):
+    from compilelm.passes.fuse_act_skinny_mm import SiluMulSkinnyMMFusionPass
+    shapes = [(3, 16), (48, 16), (16, 24)]  # x, gate_up weight (2 x 24 rows), down weight
+    gm = trace_decomposed(mlp_down, shapes, dtype)
+    skinny_pass, fusion = SkinnyMMPass(), SiluMulSkinnyMMFusionPass()
+    skinny_pass(gm.graph)
+    fusion(gm.graph)
+    gm.recompile()
+    assert skinny_pass.matches == 2 and fusion.matches == 1
+    t = targets(gm)
+    assert t.count(torch.ops.compilelm.silu_mul_skinny_mm.default) == 1 and t.count(skinny) == 1  # gate_up's stays
+    assert aten.silu.default not in t and aten.mul.Tensor not in t
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    torch.testing.assert_close(gm(*args), mlp_down(*args), rtol=0, atol=0)
+
+
+def test_silu_mul_with_other_users_wide_k_and_graphs_without_skinny_mm_are_kept():
+    from compilelm.passes.fuse_act_skinny_mm import MAX_INTERMEDIATE, SiluMulSkinnyMMFusionPass
+    shared = trace_decomposed(act_shared, [(3, 32), (8, 16)], torch.float32)
+    SkinnyMMPass()(shared.graph)
+    fusion = SiluMulSkinnyMMFusionPass()
+    fusion(shared.graph)
+    assert fusion.matches == 0 and skinny in targets(shared)
+    k = MAX_INTERMEDIATE + 8
+    wide = trace_decomposed(mlp_down, [(1, 16), (2 * k, 16), (16, k)], torch.float32)
+    SkinnyMMPass()(wide.graph)
+    fusion = SiluMulSkinnyMMFusionPass()
+    fusion(wide.graph)
+    assert fusion.matches == 0 and torch.ops.compilelm.silu_mul_skinny_mm.default not in targets(wide)
+    plain = trace_decomposed(act_shared, [(3, 32), (8, 16)], torch.float32)  # no skinny_mm in it
+    fusion = SiluMulSkinnyMMFusionPass()
+    fusion(plain.graph)
+    assert fusion.matches == 0 and fusion._patterns is None  # not even registered
+
+
+def test_silu_mul_skinny_mm_op_cpu_and_opcheck():
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 80, generator=gen, dtype=torch.bfloat16), torch.randn(7, 40, generator=gen, dtype=torch.bfloat16)
+    ops = torch.ops.compilelm
+    want = (torch.nn.functional.silu(x[:, :40]) * x[:, 40:]) @ w.t()
+    torch.testing.assert_close(ops.silu_mul_skinny_mm(x, w), want, rtol=0, atol=0)
+    opcheck(ops.silu_mul_skinny_mm.default, (x, w))
+    with pytest.raises(RuntimeError, match="gate | up"):
+        with FakeTensorMode():
+            ops.silu_mul_skinny_mm(torch.empty(3, 40), torch.empty(7, 40))

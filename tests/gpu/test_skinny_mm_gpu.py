@@ -178,3 +178,72 @@ def test_norm_fusion_inside_inductor_matches_eager(no_tf32):
             for got, want in zip(compiled(x), model(x)):
                 torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     assert fusion.matches == 4  # both norms of the symbolic-size graph, then of M = 1's
+
+
+# -- silu_mul_skinny_mm ------------------------------------------------------------------------
+
+def check_act_mm(x, w):
+    """y against fp64 matmuls of the reference activation (SiluAndMul in x's dtype, its roundings)."""
+    from compilelm.layers.activation import SiluAndMul
+    got = torch.ops.compilelm.silu_mul_skinny_mm(x, w)
+    want = SiluAndMul()(x).double() @ w.double().t()
+    assert got.dtype == x.dtype and got.shape == want.shape
+    err = (got.double() - want).abs().max().item() / (want.abs().max().item() + 1e-6)
+    assert err <= TOL[x.dtype], f"relative error {err:.2e}, x {tuple(x.shape)} {x.dtype}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("n, k", [(576, 1536), (577, 1536), (1024, 3072), (7, 8), (64, 14336)])  # 14336: M = 2 over the shared-memory limit
+def test_silu_mul_kernel_matches_reference(dtype, m, n, k):
+    g = torch.Generator(device="cuda").manual_seed(m * 1000 + n)
+    x = (torch.randn(m, 2 * k, device="cuda", generator=g) * 2).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.05).to(dtype)
+    check_act_mm(x, w)
+
+
+def test_silu_mul_fallbacks_opcheck_and_graph_capture():
+    ops = torch.ops.compilelm
+    x = torch.randn(2, 160, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(96, 80, device="cuda", dtype=torch.bfloat16) * 0.05
+    big = torch.randn(2, 170, device="cuda", dtype=torch.bfloat16)
+    check_act_mm(big[:, 1:161], w)  # unaligned rows: SiLU-and-mul + at::mm
+    check_act_mm(x, w)
+    opcheck(ops.silu_mul_skinny_mm.default, (x, w))
+    with pytest.raises(RuntimeError, match="gate | up"):
+        ops.silu_mul_skinny_mm(x, w[:, :40].contiguous())
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = ops.silu_mul_skinny_mm(x, w)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, ops.silu_mul_skinny_mm(x, w))
+
+
+def test_silu_mul_fusion_inside_inductor_matches_eager(no_tf32):
+    from compilelm.layers.activation import SiluAndMul
+    from compilelm.passes.config import PassConfig
+    from compilelm.passes.manager import PassManager
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up = torch.nn.Linear(256, 1024, bias=False)
+            self.down = torch.nn.Linear(512, 256, bias=False)
+            self.act = SiluAndMul()
+
+        def forward(self, x):
+            return self.down(self.act(self.gate_up(x)))
+
+    model = MLP().cuda().to(torch.bfloat16)
+    manager = PassManager(PassConfig())
+    fusion = next(p for p in manager.post_grad if p.name == "SiluMulSkinnyMMFusionPass")
+    compiled = torch.compile(model, options={"post_grad_custom_post_pass": manager, "fx_graph_cache": False})
+    with torch.no_grad():
+        for m in (3, 4, 7, 2, 1):
+            x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch.testing.assert_close(compiled(x), model(x), rtol=2e-2, atol=2e-2)
+    assert fusion.matches == 2  # the symbolic-size graph's down_proj, then M = 1's
