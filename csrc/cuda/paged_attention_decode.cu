@@ -60,7 +60,6 @@ __global__ void __launch_bounds__(kWarps * 32)
   constexpr int kGroups = Tile::kGroups, kUnroll = Tile::kUnroll;
   __shared__ float s_acc[kGroups][GP][D];
   __shared__ float s_m[kGroups][GP], s_l[kGroups][GP];
-  __shared__ float s_weight[kMaxSplits];
   __shared__ bool s_last;
 
   const int lane = threadIdx.x % 32;
@@ -263,7 +262,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  for (int g = 0; g < num_q; ++g) merge_splits<T>(p, s, row, head0 + g, s_weight);
+  for (int g = threadIdx.x / 32; g < num_q; g += kWarps) merge_splits_warp<T>(p, s, row, token, head0 + g);
 }
 
 // Merges the splits of (row, head) = divmod(program, num_heads): the all-rows fallback has no
