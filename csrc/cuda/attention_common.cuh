@@ -43,7 +43,18 @@ __device__ void zero_rows(const AttentionParams& p, int row_begin, int num_rows,
   }
 }
 
-constexpr int kMaxSplits = 64;  // split-K partitions of one row's context, at most
+constexpr int kMaxSplits = 64;     // split-K partitions of one row's context, at most
+constexpr int kMinSplitKeys = 64;  // keys of a split, at least: fewer splits than launched on short rows
+
+// Keys per split of a row with num_keys keys, and the splits that get any: num_splits comes from
+// the launch's shapes (block-table width), but a short row is not cut into slivers (a split's
+// fixed cost and its partial's merge outweigh a few keys); the splits past `active` exit at once.
+__device__ __forceinline__ int split_keys(int num_keys, int num_splits) {
+  return max((num_keys + num_splits - 1) / num_splits, kMinSplitKeys);
+}
+__device__ __forceinline__ int active_splits(int num_keys, int num_splits) {
+  return max(1, (num_keys + split_keys(num_keys, num_splits) - 1) / split_keys(num_keys, num_splits));
+}
 
 // The query row served by decode-kernel row x (a sequence, or with all_rows a query row):
 // false if there is none (not a decode row, or a padding row).
@@ -77,55 +88,23 @@ __device__ void merge_splits(const AttentionParams& p, const SplitParams& s, int
     return;
   }
   const int64_t first = (static_cast<int64_t>(x) * p.num_heads + head) * s.num_splits;
+  const int active = active_splits(num_keys, s.num_splits);
   float lse_max = -INFINITY;
-  for (int i = 0; i < s.num_splits; ++i) lse_max = fmaxf(lse_max, __ldcg(s.partial_lse + first + i));
-  for (int i = threadIdx.x; i < s.num_splits; i += blockDim.x) {
+  for (int i = 0; i < active; ++i) lse_max = fmaxf(lse_max, __ldcg(s.partial_lse + first + i));
+  for (int i = threadIdx.x; i < active; i += blockDim.x) {
     s_weight[i] = lse_max == -INFINITY ? 0.f : exp2f(__ldcg(s.partial_lse + first + i) - lse_max);  // empty: 0
   }
   __syncthreads();
   float total = 0.f;
-  for (int i = 0; i < s.num_splits; ++i) total += s_weight[i];
+  for (int i = 0; i < active; ++i) total += s_weight[i];
   const float inv = total > 0.f ? 1.f / total : 0.f;
   for (int d = threadIdx.x; d < p.head_size; d += blockDim.x) {
     float o = 0.f;
-    for (int i = 0; i < s.num_splits; ++i) o += s_weight[i] * __ldcg(s.partial_out + (first + i) * p.head_size + d);
+    for (int i = 0; i < active; ++i) o += s_weight[i] * __ldcg(s.partial_out + (first + i) * p.head_size + d);
     static_cast<T*>(p.out)[(static_cast<int64_t>(token) * p.num_heads + head) * p.head_size + d] =
         from_float<T>(o * inv);
   }
   __syncthreads();  // s_weight is reused by the caller's next merge
-}
-
-// Merges the splits of decode row x (query row `token`), query head `head`, as merge_splits does,
-// with one warp: lanes hold splits lane and lane + 32 (num_splits <= 64 = kMaxSplits) for the
-// weights, then output elements lane, lane + 32, ... The decode kernel's last split runs one head
-// per warp, its heads side by side.
-template <typename T>
-__device__ void merge_splits_warp(const AttentionParams& p, const SplitParams& s, int x, int token, int head) {
-  static_assert(kMaxSplits <= 64, "two splits per lane");
-  const int lane = threadIdx.x % 32, num_splits = s.num_splits;
-  const int64_t first = (static_cast<int64_t>(x) * p.num_heads + head) * num_splits;
-  const float lse0 = lane < num_splits ? __ldcg(s.partial_lse + first + lane) : -INFINITY;
-  const float lse1 = lane + 32 < num_splits ? __ldcg(s.partial_lse + first + lane + 32) : -INFINITY;
-  float lse_max = fmaxf(lse0, lse1);
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffffu, lse_max, offset));
-  const float w0 = lse_max == -INFINITY ? 0.f : exp2f(lse0 - lse_max);  // an empty split: 2^-inf = 0
-  const float w1 = lse_max == -INFINITY ? 0.f : exp2f(lse1 - lse_max);
-  float total = w0 + w1;
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
-  const float inv = total > 0.f ? 1.f / total : 0.f;
-  const float* partial = s.partial_out + first * p.head_size;
-  T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(token) * p.num_heads + head) * p.head_size;
-  for (int d = lane; d < p.head_size; d += 32) {
-    float o = 0.f;
-#pragma unroll 4
-    for (int i = 0; i < num_splits; ++i) {
-      const float w = __shfl_sync(0xffffffffu, i < 32 ? w0 : w1, i % 32);
-      o += w * __ldcg(partial + i * p.head_size + d);
-    }
-    out[d] = from_float<T>(o * inv);
-  }
 }
 
 }  // namespace compilelm::cuda

@@ -29,6 +29,7 @@ namespace compilelm::cuda {
 namespace {
 
 constexpr int kWarps = 4;
+static_assert(kMaxSplits == 64, "the in-kernel merge holds two splits per lane");
 constexpr int kMinKeysPerSplit = 32;    // one step of a program (bf16, head_size 128)
 constexpr int kProgramCostKeys = 128;  // a program's start-up and merge, in keys streamed
 
@@ -60,6 +61,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   constexpr int kGroups = Tile::kGroups, kUnroll = Tile::kUnroll;
   __shared__ float s_acc[kGroups][GP][D];
   __shared__ float s_m[kGroups][GP], s_l[kGroups][GP];
+  __shared__ float s_weight[GP][kMaxSplits];  // the in-kernel merge's normalized split weights
   __shared__ bool s_last;
 
   const int lane = threadIdx.x % 32;
@@ -82,7 +84,9 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
     return;
   }
-  const int chunk = (num_keys + s.num_splits - 1) / s.num_splits;
+  const int active = active_splits(num_keys, s.num_splits);
+  if (split >= active) return;  // no keys: no partial, not counted (the merge reads `active` splits)
+  const int chunk = split_keys(num_keys, s.num_splits);
   const int begin = split * chunk;
   const int end = min(num_keys, begin + chunk);
 
@@ -256,13 +260,40 @@ __global__ void __launch_bounds__(kWarps * 32)
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    s_last = atomicAdd(&s.arrivals[blockIdx.x], 1) == s.num_splits - 1;
+    s_last = atomicAdd(&s.arrivals[blockIdx.x], 1) == active - 1;
     if (s_last) s.arrivals[blockIdx.x] = 0;
   }
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  for (int g = threadIdx.x / 32; g < num_q; g += kWarps) merge_splits_warp<T>(p, s, row, token, head0 + g);
+  // weights 2^(lse - max lse) / sum, one warp per head (lanes over splits: two each), then every
+  // thread merges (head, element) outputs with its loads of the splits' partials in flight together
+  const int64_t first = static_cast<int64_t>(row) * p.num_heads * s.num_splits;  // (row, head 0, split 0)
+  for (int g = threadIdx.x / 32; g < num_q; g += kWarps) {
+    const float* lse = s.partial_lse + first + static_cast<int64_t>(head0 + g) * s.num_splits;
+    const float lse0 = lane < active ? __ldcg(lse + lane) : -INFINITY;
+    const float lse1 = lane + 32 < active ? __ldcg(lse + lane + 32) : -INFINITY;
+    float lse_max = fmaxf(lse0, lse1);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffffu, lse_max, offset));
+    const float w0 = lse_max == -INFINITY ? 0.f : exp2f(lse0 - lse_max);  // an empty split: 0
+    const float w1 = lse_max == -INFINITY ? 0.f : exp2f(lse1 - lse_max);
+    float total = w0 + w1;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    s_weight[g][lane] = w0 * inv;
+    s_weight[g][lane + 32] = w1 * inv;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < num_q * D; i += blockDim.x) {
+    const int g = i / D, d = i % D;
+    const float* partial = s.partial_out + (first + static_cast<int64_t>(head0 + g) * s.num_splits) * D + d;
+    float o = 0.f;
+#pragma unroll 8
+    for (int j = 0; j < active; ++j) o += s_weight[g][j] * __ldcg(partial + j * D);
+    static_cast<T*>(p.out)[(static_cast<int64_t>(token) * p.num_heads + head0 + g) * D + d] = from_float<T>(o);
+  }
 }
 
 // Merges the splits of (row, head) = divmod(program, num_heads): the all-rows fallback has no
