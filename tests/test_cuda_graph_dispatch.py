@@ -110,3 +110,36 @@ def test_prepare_step_dispatch_decisions():
     assert modes == {"full", "piecewise", "none"}, seen
     # a step mixing the long prompt's last chunk with two decodes went piecewise
     assert any(mode == "piecewise" and tokens > seqs > 1 for tokens, seqs, mode, _ in seen), seen
+
+
+def test_input_buffers_pack_a_step_at_fixed_offsets():
+    """Two copies carry a step: the views hold the batch padded as the kernels expect (slot -1,
+    cu_seqlens_q repeated, null-block tables) and sit at the same addresses whenever the padded
+    sizes are the same (what a replayed graph reads)."""
+    import numpy as np
+    import torch
+
+    from compilelm.runtime.cuda_graphs import HostBatch, InputBuffers
+
+    buffers = InputBuffers(max_tokens=16, max_seqs=4, max_blocks=3, device=torch.device("cpu"))
+
+    def batch(ids):
+        n = len(ids)
+        return HostBatch(input_ids=np.array(ids), positions=np.arange(n) + 5, slot_mapping=np.arange(n) + 40,
+                         cu_seqlens_q=np.arange(n + 1, dtype=np.int32), seq_lens=np.arange(n, dtype=np.int32) + 6,
+                         block_tables=np.arange(n * 2, dtype=np.int32).reshape(n, 2) + 1,
+                         logits_idx=np.arange(n), max_query_len=1)
+
+    first = buffers.load(batch([7, 8]), 4, 4, 3, pending=(np.array([1]), np.array([0])))
+    ids, pos, meta, logits_idx, (rows, src) = first
+    assert ids.tolist() == [7, 8, 0, 0] and pos.tolist() == [5, 6, 0, 0]
+    assert meta.slot_mapping.tolist() == [40, 41, -1, -1] and logits_idx.tolist() == [0, 1]
+    assert meta.cu_seqlens_q.tolist() == [0, 1, 2, 2, 2] and meta.seq_lens.tolist() == [6, 7, 0, 0]
+    assert meta.block_tables.tolist() == [[1, 2, 0], [3, 4, 0], [0, 0, 0], [0, 0, 0]]
+    assert rows.tolist() == [1] and src.tolist() == [0]
+    second = buffers.load(batch([9, 10, 11]), 4, 4, 3)  # same padded sizes, the other host twin
+    assert second[0].tolist() == [9, 10, 11, 0] and second[4] is None
+    for a, b in zip((*first[:2], first[3]), (*second[:2], second[3])):
+        assert a.data_ptr() == b.data_ptr()
+    for name in ("slot_mapping", "cu_seqlens_q", "seq_lens", "block_tables"):
+        assert getattr(first[2], name).data_ptr() == getattr(second[2], name).data_ptr()

@@ -5,8 +5,9 @@ A decode step of a small model is a few hundred short kernels; launching them on
 Python leaves the GPU idle between them. A CUDA graph records the launches once per batch size
 and replays them with one call. Replays read and write fixed addresses, so every per-step input
 (token ids, positions, slot mapping, cu_seqlens_q, seq_lens, block tables) lives in a static
-device buffer owned by the runner, and a step copies its values into the front of each buffer
-from a pinned host twin (non-blocking: preparing a step never waits for the GPU).
+device buffer owned by the runner (`InputBuffers`: one for the int64 inputs, one for the int32
+ones), and a step copies its values there from pinned host twins (non-blocking: preparing a step
+never waits for the GPU).
 
 Two kinds of graphs, picked per step by `CudaGraphDispatcher` (full -> piecewise -> eager):
 - FULL: pure-decode batches (one query token per sequence) replay a whole-model graph captured
@@ -105,61 +106,79 @@ class HostBatch:
 
 
 class InputBuffers:
-    """Static device tensors for a step's inputs, each with two pinned host twins used in turn.
+    """Static device tensors for a step's inputs, filled by two host -> device copies per step.
 
-    The host -> device copies are queued, not waited for: with async scheduling the host fills
-    step N+1's inputs while step N's copies may still be waiting in the stream, so step N+1 writes
-    the other twin. Before a twin is rewritten, the event recorded after its last copies is waited
-    on (already passed in practice: the engine has waited for step N-1's output by then)."""
+    The int64 inputs of a step sit back to back in one buffer, the int32 ones in another, each
+    packed at offsets that depend only on the step's padded sizes (so a graph replayed at its size
+    reads the addresses it captured):
+
+        int64  [input_ids: T][positions: T][slot_mapping: T][logits_idx: L][pending rows: P][pending src: P]
+        int32  [cu_seqlens_q: S + 1][seq_lens: S][block_tables: S * W]
+
+    (T tokens, S sequences, W block-table width, L logits rows, P pending rows.) Each has two pinned
+    host twins used in turn: with async scheduling the host fills step N+1's inputs while step N's
+    copies may still be waiting in the stream, so step N+1 writes the other twin. Before a twin is
+    rewritten, the event recorded after its last copies is waited on (already passed in practice:
+    the engine has waited for step N-1's output by then). Seven copies a step became two: at batch
+    1 each small copy is a few microseconds of GPU time in front of the graph."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
         self.max_blocks = max_blocks  # block-table width of the captured graphs
         pinned = device.type == "cuda"
-        self.hosts: list[dict[str, torch.Tensor]] = [{}, {}]
-        self.dev: dict[str, torch.Tensor] = {}
-        for name, size, dtype in (("input_ids", max_tokens, torch.int64), ("positions", max_tokens, torch.int64),
-                                  ("slot_mapping", max_tokens, torch.int64),
-                                  ("cu_seqlens_q", max_seqs + 1, torch.int32), ("seq_lens", max_seqs, torch.int32),
-                                  ("block_tables", max_seqs * max_blocks, torch.int32),  # flat: any [S, W] view
-                                  ("logits_idx", max_tokens, torch.int64)):
-            for host in self.hosts:
-                host[name] = torch.zeros(size, dtype=dtype, pin_memory=pinned)
-            self.dev[name] = torch.zeros(size, dtype=dtype, device=device)
+        sizes = {torch.int64: 6 * max_tokens, torch.int32: 2 * max_seqs + 1 + max_seqs * max_blocks}
+        self.hosts = [{dt: torch.zeros(n, dtype=dt, pin_memory=pinned) for dt, n in sizes.items()} for _ in range(2)]
+        self.dev = {dt: torch.zeros(n, dtype=dt, device=device) for dt, n in sizes.items()}
         self.copied = [torch.cuda.Event() if pinned else None for _ in self.hosts]  # each twin's last copies
         self.turn = 0
 
-    def load(self, b: HostBatch, num_tokens: int, num_seqs: int, width: int):
+    def load(self, b: HostBatch, num_tokens: int, num_seqs: int, width: int,
+             pending: tuple[np.ndarray, np.ndarray] | None = None):
         """Copies `b`, padded to `num_tokens` tokens and `num_seqs` sequences with block tables
-        `width` wide, into the buffers; returns (input_ids, positions, metadata, logits_idx),
-        views of the device buffers."""
-        s = len(b.seq_lens)
+        `width` wide (and the pending rows' (rows, src) index arrays), into the buffers; returns
+        (input_ids, positions, metadata, logits_idx, pending): views of the device buffers,
+        pending = (rows, src) views or None."""
+        s, t = len(b.seq_lens), num_tokens
         self.turn ^= 1
         host, copied = self.hosts[self.turn], self.copied[self.turn]
         if copied is not None:
             copied.synchronize()  # its previous copies have left this twin (returns at once if never recorded)
-        h = {k: v.numpy() for k, v in host.items()}
-        fill = {"input_ids": (b.input_ids, 0, num_tokens), "positions": (b.positions, 0, num_tokens),
-                "slot_mapping": (b.slot_mapping, -1, num_tokens),
-                "cu_seqlens_q": (b.cu_seqlens_q, b.cu_seqlens_q[-1], num_seqs + 1),
-                "seq_lens": (b.seq_lens, 0, num_seqs), "logits_idx": (b.logits_idx, 0, len(b.logits_idx))}
-        for name, (values, pad, size) in fill.items():
-            h[name][:len(values)] = values
-            h[name][len(values):size] = pad
-        tables = h["block_tables"][:num_seqs * width].reshape(num_seqs, width)
-        tables[:] = 0
+        h64, h32 = host[torch.int64].numpy(), host[torch.int32].numpy()
+        fields64 = [(b.input_ids, 0, t), (b.positions, 0, t), (b.slot_mapping, -1, t),
+                    (b.logits_idx, 0, len(b.logits_idx))]
+        if pending is not None:
+            fields64 += [(pending[0], 0, len(pending[0])), (pending[1], 0, len(pending[1]))]
+        views64 = _pack(h64, fields64)
+        views32 = _pack(h32, [(b.cu_seqlens_q, b.cu_seqlens_q[-1], num_seqs + 1), (b.seq_lens, 0, num_seqs)])
+        start = views32[-1].stop
+        tables = h32[start:start + num_seqs * width].reshape(num_seqs, width)
+        tables[:] = 0  # padding: the null block
         tables[:s, :b.block_tables.shape[1]] = b.block_tables
-        sizes = {name: size for name, (_, _, size) in fill.items()}
-        sizes["block_tables"] = num_seqs * width
-        d = {}
-        for name, size in sizes.items():  # the copies queue behind the previous step's work
-            d[name] = self.dev[name][:size]
-            d[name].copy_(host[name][:size], non_blocking=True)
+        views32.append(slice(start, start + num_seqs * width))
+        d64, d32 = self.dev[torch.int64], self.dev[torch.int32]
+        n64, n32 = views64[-1].stop, views32[-1].stop
+        d64[:n64].copy_(host[torch.int64][:n64], non_blocking=True)  # queued behind the previous step's work
+        d32[:n32].copy_(host[torch.int32][:n32], non_blocking=True)
         if copied is not None:
             copied.record()
-        meta = AttentionMetadata(slot_mapping=d["slot_mapping"], cu_seqlens_q=d["cu_seqlens_q"],
-                                 seq_lens=d["seq_lens"], block_tables=d["block_tables"].view(num_seqs, width),
+        input_ids, positions, slots, logits_idx = (d64[v] for v in views64[:4])
+        cu, seq_lens, block_tables = (d32[v] for v in views32)
+        meta = AttentionMetadata(slot_mapping=slots, cu_seqlens_q=cu, seq_lens=seq_lens,
+                                 block_tables=block_tables.view(num_seqs, width),
                                  max_query_len=b.max_query_len, max_seq_len=int(b.seq_lens.max()))
-        return d["input_ids"], d["positions"], meta, d["logits_idx"]
+        pending_views = None if pending is None else (d64[views64[4]], d64[views64[5]])
+        return input_ids, positions, meta, logits_idx, pending_views
+
+
+def _pack(host: np.ndarray, fields) -> list[slice]:
+    """Writes each (values, pad, size) field, padded to size, back to back into `host`; returns
+    the fields' slices."""
+    views, offset = [], 0
+    for values, pad, size in fields:
+        host[offset:offset + len(values)] = values
+        host[offset + len(values):offset + size] = pad
+        views.append(slice(offset, offset + size))
+        offset += size
+    return views
 
 
 class CUDAGraphRunner:
@@ -203,7 +222,7 @@ class CUDAGraphRunner:
                               cu_seqlens_q=np.arange(size + 1, dtype=np.int32), seq_lens=np.ones(size, np.int32),
                               block_tables=np.zeros((size, 1), np.int32), logits_idx=np.zeros(0, np.int64),
                               max_query_len=1)
-            input_ids, positions, meta, _ = buffers.load(dummy, size, size, buffers.max_blocks)
+            input_ids, positions, meta, _, _ = buffers.load(dummy, size, size, buffers.max_blocks)
             with set_forward_context(ForwardContext(meta, kv_caches)):
                 if i == 0 or size in warm:
                     forward_fn(input_ids, positions)

@@ -208,15 +208,17 @@ class ModelRunner:
             return 0
         return max(0, min(start + sr.num_new_tokens, req.num_prompt_tokens - 1) - start)
 
-    def prepare_inputs(self, b: HostBatch, graph_mode: str = "none", graph_size: int | None = None):
-        """(input_ids, positions, metadata, logits_idx) on the device. For a full graph the batch
-        is padded to its size in tokens and sequences, block tables at full width; for piecewise
-        graphs in tokens only (the padding rows belong to no sequence)."""
+    def prepare_inputs(self, b: HostBatch, graph_mode: str = "none", graph_size: int | None = None,
+                       pending: tuple[np.ndarray, np.ndarray] | None = None):
+        """(input_ids, positions, metadata, logits_idx, pending) on the device, pending = the
+        (rows, src) index arrays of `pending` or None. For a full graph the batch is padded to its
+        size in tokens and sequences, block tables at full width; for piecewise graphs in tokens
+        only (the padding rows belong to no sequence)."""
         if self.buffers is not None:
             if graph_mode == "full":
-                return self.buffers.load(b, graph_size, graph_size, self.buffers.max_blocks)
+                return self.buffers.load(b, graph_size, graph_size, self.buffers.max_blocks, pending)
             num_tokens = graph_size if graph_mode == "piecewise" else len(b.input_ids)
-            return self.buffers.load(b, num_tokens, len(b.seq_lens), b.block_tables.shape[1])
+            return self.buffers.load(b, num_tokens, len(b.seq_lens), b.block_tables.shape[1], pending)
         dev = self.device
         as_t = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(dev, dt)  # noqa: E731
         meta = AttentionMetadata(
@@ -228,7 +230,8 @@ class ModelRunner:
             max_seq_len=int(b.seq_lens.max()),
         )
         return (as_t(b.input_ids, torch.int64), as_t(b.positions, torch.int64), meta,
-                as_t(b.logits_idx, torch.int64))
+                as_t(b.logits_idx, torch.int64),
+                None if pending is None else tuple(as_t(a, torch.int64) for a in pending))
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> StepOutput:
@@ -243,11 +246,13 @@ class ModelRunner:
         None if no row needs them. The step runs as `prepare_step` dispatched it: a full graph, the
         piece graphs of its padded size with attention eager between them, or eagerly."""
         b = step.batch
-        input_ids, positions, meta, logits_idx = self.prepare_inputs(b, step.graph_mode, step.graph_size)
-        if step.pending_rows is not None:
+        pending = None if step.pending_rows is None else (step.pending_rows, step.pending_src)
+        input_ids, positions, meta, logits_idx, pending = self.prepare_inputs(b, step.graph_mode, step.graph_size,
+                                                                              pending)
+        if pending is not None:
             # after the host -> device copy, before the forward or graph replay reads input_ids
             # (for graphs, a static buffer): stream-ordered after the previous step's sampler
-            self._scatter_pending(input_ids, step)
+            self._scatter_pending(input_ids, step, *pending)
         num_rows = len(b.logits_idx)
         if step.graph_mode == "full":
             logits = self.cuda_graphs.replay(step.graph_size)  # fp32 [graph_size, vocab], LM head included
@@ -264,13 +269,17 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[logits_idx])
 
-    def _scatter_pending(self, input_ids: torch.Tensor, step: StepInputs) -> None:
-        # input_ids: int64 [>= num_tokens]; last sampled: int64 [num_sampled of the previous step]
+    def _scatter_pending(self, input_ids: torch.Tensor, step: StepInputs, rows: torch.Tensor,
+                         src: torch.Tensor) -> None:
+        # input_ids: int64 [>= num_tokens]; last sampled: int64 [num_sampled of the previous step];
+        # rows, src: int64 [num_pending] on the device (step.pending_rows / pending_src)
         sampled = self.last_sampled[0]
-        as_index = (lambda a: torch.from_numpy(a).pin_memory().to(self.device, non_blocking=True)
-                    if self.device.type == "cuda" else torch.from_numpy(a))
-        rows, src = as_index(step.pending_rows), as_index(step.pending_src)
-        input_ids.index_copy_(0, rows, sampled.index_select(0, src))
+        n = len(step.pending_rows)
+        in_order = np.arange(n)
+        if np.array_equal(step.pending_rows, in_order) and np.array_equal(step.pending_src, in_order):
+            input_ids[:n].copy_(sampled[:n])  # steady decode: row i takes the previous row i's token
+        else:
+            input_ids.index_copy_(0, rows, sampled.index_select(0, src))
 
     @torch.inference_mode()
     def execute_model_async(self, sched: SchedulerOutput) -> AsyncStepOutput:

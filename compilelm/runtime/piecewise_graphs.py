@@ -181,7 +181,7 @@ class PiecewiseGraphs:
                    unit="size", disable=True if get_tp_rank() > 0 else None)  # one bar: rank 0's
         warm = set(warm_sizes)
         for i, size in enumerate(bar):
-            input_ids, positions, meta, _ = buffers.load(dummy, size, 1, 1)
+            input_ids, positions, meta, _, _ = buffers.load(dummy, size, 1, 1)
             with set_forward_context(ForwardContext(meta, kv_caches)):
                 if i == 0 or size in warm:
                     forward_fn(input_ids, positions)
