@@ -376,8 +376,9 @@ SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_r
   constexpr int shared = DecodeTile<T, D, GP>::kSharedBytes;
   static const int64_t capacity = [&] {  // resident programs on the whole GPU
     int per_sm = 0, sms = 0, device = 0;
-    // more than 48 KB of shared memory in all (the ring + the static arrays) is opt-in
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
+    if (shared > 48 * 1024) {  // more than 48 KB of dynamic shared memory is opt-in
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
+    }
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, shared));
     C10_CUDA_CHECK(cudaGetDevice(&device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
