@@ -43,16 +43,6 @@ __device__ void zero_rows(const AttentionParams& p, int row_begin, int num_rows,
   }
 }
 
-// 16 bytes global -> shared without registers (zero-filled when !valid); the "memory" clobbers
-// keep the compiler from moving shared-memory reads across the wait.
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-
 constexpr int kMaxSplits = 64;     // split-K partitions of one row's context, at most
 constexpr int kMinSplitKeys = 64;  // keys of a split, at least: fewer splits than launched on short rows
 

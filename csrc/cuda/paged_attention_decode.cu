@@ -4,7 +4,7 @@
 // kv head's group in registers and streams the split's key/value rows once: every 16-byte load
 // of a key or value row serves all GP heads. Inside a program, key rows are spread over "row
 // groups" of kLanes lanes (one row = kLanes x 16-byte loads), each with its own online softmax;
-// the rows' slices come through a shared-memory ring that cp.async fills kStages - 1 steps ahead.
+// a row group issues the loads of its next kUnroll rows before the math of the current ones.
 // The row groups' states are merged through shared memory at the end.
 //
 // Split-K (flash-decoding): with few programs per SM (small batch, long context) the context
@@ -33,19 +33,21 @@ static_assert(kMaxSplits == 64, "the in-kernel merge holds two splits per lane")
 constexpr int kMinKeysPerSplit = 32;    // one step of a program (bf16, head_size 128)
 constexpr int kProgramCostKeys = 128;  // a program's start-up and merge, in keys streamed
 
+__device__ __forceinline__ uint4 load_stream(const void* ptr) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr));
+  return v;
+}
+
 template <typename T, int D, int GP>
 struct DecodeTile {
   static constexpr int kVec = 16 / sizeof(T);                     // elements per 16-byte load
   static constexpr int kLanes = D / kVec < 32 ? D / kVec : 32;    // lanes per key row
   static constexpr int kLoads = D / (kVec * kLanes);              // 16-byte loads per lane per row
   static constexpr int kGroups = kWarps * (32 / kLanes);          // row groups per program
-  static constexpr int kUnroll = GP >= 8 ? 2 : 4;                 // rows per row group per step
-  static constexpr int kStages = 3;                               // steps in the cp.async ring
-  // shared memory: the ring of K/V slices, each thread's own ([stage][u][l][k|v][thread]: a
-  // warp's 16-byte slots side by side), later reused for the row groups' partial outputs
-  static constexpr int kRingBytes = kStages * kUnroll * kLoads * 2 * 16 * kWarps * 32;
-  static constexpr int kAccBytes = kWarps * (32 / kLanes) * GP * D * 4;
-  static constexpr int kSharedBytes = kRingBytes > kAccBytes ? kRingBytes : kAccBytes;
+  static constexpr int kUnroll = GP >= 8 ? 2 : 4;                 // rows in flight per row group
   static_assert(D % (kVec * kLanes) == 0 && 32 % kLanes == 0, "unsupported head_size");
 };
 
@@ -56,10 +58,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   allow_dependent_kernels();
   using Tile = DecodeTile<T, D, GP>;
   constexpr int kVec = Tile::kVec, kLanes = Tile::kLanes, kLoads = Tile::kLoads;
-  constexpr int kGroups = Tile::kGroups, kUnroll = Tile::kUnroll, kStages = Tile::kStages;
-  extern __shared__ __align__(16) unsigned char smem[];
-  uint4* s_ring = reinterpret_cast<uint4*>(smem);                  // during the key loop
-  auto s_acc = reinterpret_cast<float (*)[GP][D]>(smem);            // [kGroups][GP][D], after it
+  constexpr int kGroups = Tile::kGroups, kUnroll = Tile::kUnroll;
+  __shared__ float s_acc[kGroups][GP][D];
   __shared__ float s_m[kGroups][GP], s_l[kGroups][GP];
   __shared__ float s_weight[GP][kMaxSplits];  // the in-kernel merge's normalized split weights
   __shared__ bool s_last;
@@ -123,17 +123,11 @@ __global__ void __launch_bounds__(kWarps * 32)
   const T* k_base = static_cast<const T*>(p.key_cache) + head_offset;
   const T* v_base = static_cast<const T*>(p.value_cache) + head_offset;
 
-  // Step i covers key rows base + u * kGroups + row_group (u < kUnroll), base = begin + i * kStep.
-  // Its K/V slices are copied into ring stage i % kStages with cp.async kStages - 1 steps ahead,
-  // so each thread keeps that many steps of loads in flight without holding them in registers
-  // (register-held prefetch of one step left Llama-3.1-8B batch 64 at ~64% of copy bandwidth:
-  // 167 registers, 3 blocks per SM). Every thread reads back only what it copied itself: the
-  // wait needs no barrier.
+  // key rows base + u * kGroups + row_group (u < kUnroll) of one step; the next step's loads
+  // are issued before this step's math, so every warp always has loads in flight
   constexpr int kStep = kGroups * kUnroll;
-  const auto slot = [&](int stage, int u, int l, int kv) -> uint4* {
-    return s_ring + (((stage * kUnroll + u) * kLoads + l) * 2 + kv) * (kWarps * 32) + threadIdx.x;
-  };
-  const auto issue = [&](int stage, int base) {
+  uint4 k_next[kUnroll][kLoads], v_next[kUnroll][kLoads];
+  const auto load = [&](int base) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int key = base + u * kGroups + row_group;
@@ -144,17 +138,13 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
 #pragma unroll
       for (int l = 0; l < kLoads; ++l) {
-        cp_async_16(slot(stage, u, l, 0), k_base + offset + l * kLanes * kVec, valid);
-        cp_async_16(slot(stage, u, l, 1), v_base + offset + l * kLanes * kVec, valid);
+        k_next[u][l] = valid ? load_stream(k_base + offset + l * kLanes * kVec) : make_uint4(0, 0, 0, 0);
+        v_next[u][l] = valid ? load_stream(v_base + offset + l * kLanes * kVec) : make_uint4(0, 0, 0, 0);
       }
     }
-    cp_async_commit();  // one group per step (empty past the end: the waits count groups)
   };
-#pragma unroll
-  for (int st = 0; st < kStages - 1; ++st) issue(st, begin + st * kStep);
-  int stage = 0;
+  if (begin < end) load(begin);
   for (int base = begin; base < end; base += kStep) {
-    cp_async_wait<kStages - 2>();  // this step's group has landed
     uint4 k_raw[kUnroll][kLoads], v_raw[kUnroll][kLoads];
     bool valid[kUnroll];
 #pragma unroll
@@ -162,13 +152,11 @@ __global__ void __launch_bounds__(kWarps * 32)
       valid[u] = base + u * kGroups + row_group < end;
 #pragma unroll
       for (int l = 0; l < kLoads; ++l) {
-        k_raw[u][l] = *slot(stage, u, l, 0);
-        v_raw[u][l] = *slot(stage, u, l, 1);
+        k_raw[u][l] = k_next[u][l];
+        v_raw[u][l] = v_next[u][l];
       }
     }
-    // refill the stage read one step ago with the step kStages - 1 ahead
-    issue(stage == 0 ? kStages - 1 : stage - 1, base + (kStages - 1) * kStep);
-    stage = stage == kStages - 1 ? 0 : stage + 1;
+    if (base + kStep < end) load(base + kStep);
 
     // scores[u][g] = q_g . k_u (log2 units); the row group's lanes all-reduce their partial dots
     float scores[kUnroll][GP];
@@ -229,10 +217,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
   }
 
-  // Merge the row groups' softmax states (s_acc reuses the ring: every copy has landed and been
-  // read once all threads pass the barrier).
-  cp_async_wait<0>();
-  __syncthreads();
+  // Merge the row groups' softmax states.
 #pragma unroll
   for (int g = 0; g < GP; ++g) {
 #pragma unroll
@@ -373,13 +358,9 @@ template <typename T, int D, int GP>
 SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_rows, int64_t max_context,
                    at::Tensor& workspace) {
   const auto kernel = paged_attention_decode_kernel<T, D, GP>;
-  constexpr int shared = DecodeTile<T, D, GP>::kSharedBytes;
   static const int64_t capacity = [&] {  // resident programs on the whole GPU
     int per_sm = 0, sms = 0, device = 0;
-    if (shared > 48 * 1024) {  // more than 48 KB of dynamic shared memory is opt-in
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
-    }
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, shared));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, 0));
     C10_CUDA_CHECK(cudaGetDevice(&device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     return static_cast<int64_t>(std::max(per_sm, 1)) * sms;
@@ -398,7 +379,7 @@ SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_r
     s.partial_lse = s.partial_out + partials * p.head_size;
     if (all_rows) s.arrivals = arrival_counters(programs, stream);
   }
-  launch_kernel(kernel, dim3(static_cast<unsigned>(programs), splits), kWarps * 32, shared, stream, p, s);
+  launch_kernel(kernel, dim3(static_cast<unsigned>(programs), splits), kWarps * 32, 0, stream, p, s);
   if (all_rows && splits > 1 && s.arrivals == nullptr) {
     launch_kernel(paged_attention_merge_kernel<T>, rows * p.num_heads, 128, 0, stream, p, s);
   }
