@@ -1,8 +1,18 @@
 """compilelm's compiler: Dynamo backend, whole-graph passes, piecewise split, Inductor per piece,
-compile cache and dumps. Entry point: `compile_model(model, CompileConfig(...), cache_key_factors)`."""
+compile cache and dumps. Entry point: `compile_model(model, CompileConfig(...), cache_key_factors)`.
 
-from compilelm.graphs.compiler import CompiledModel, compile_model
+`CompiledModel` and `compile_model` are imported on first use: they bring in Dynamo, Inductor
+and the pass manager (~1.5 s), which an eager engine (`-O0`) or reading a `CompileConfig` never
+needs."""
+
 from compilelm.graphs.config import CompileConfig, default_cache_dir
 from compilelm.graphs.counters import compile_counters
 
 __all__ = ["CompileConfig", "CompiledModel", "compile_counters", "compile_model", "default_cache_dir"]
+
+
+def __getattr__(name):
+    if name in ("CompiledModel", "compile_model"):
+        from compilelm.graphs import compiler
+        return getattr(compiler, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,8 +14,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 
-from compilelm.passes.config import PassConfig
-from compilelm.passes.manager import parse_pass_spec
+from compilelm.passes.config import PassConfig, parse_pass_spec
 
 CUDAGRAPH_MODES = ("none", "piecewise", "full", "full_and_piecewise")
 

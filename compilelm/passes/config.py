@@ -2,6 +2,9 @@
 
 A fusion pass adds its switch here, with the default it has at `-O2`; `_LEVEL_OFF` in
 `compilelm/graphs/config.py` lists the switches that `-O1` turns off. User overrides always win.
+
+Also the parser of custom-pass specs, which `CompileConfig` validates with: this module imports
+no torch, so reading a config never loads the pass machinery.
 """
 
 from __future__ import annotations
@@ -37,3 +40,27 @@ class PassConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+STAGES = ("whole_graph", "post_grad")
+
+
+def parse_pass_spec(spec: str) -> tuple[str, str | None, tuple[str, str] | None]:
+    """"pkg.mod:Class,stage=post_grad,after=NoOpEliminationPass" -> (path, stage, ("after", name))."""
+    if not isinstance(spec, str):
+        raise ValueError(f"custom_passes entries must be strings, got {spec!r}")
+    path, *options = [part.strip() for part in spec.split(",")]
+    stage, where = None, None
+    for opt in options:
+        key, sep, value = opt.partition("=")
+        if not sep or not value or key not in ("stage", "before", "after"):
+            raise ValueError(f"custom_passes: {spec!r}: options are stage=..., before=Pass or after=Pass, got {opt!r}")
+        if key == "stage":
+            if value not in STAGES:
+                raise ValueError(f"custom_passes: {spec!r}: stage must be one of {', '.join(STAGES)}, got {value!r}")
+            stage = value
+        elif where is not None:
+            raise ValueError(f"custom_passes: {spec!r}: give one of before=/after=")
+        else:
+            where = (key, value)
+    return path, stage, where

@@ -26,7 +26,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from compilelm.passes.base import CompilePass
 from compilelm.passes.cleanup import CleanupPass
-from compilelm.passes.config import PassConfig
+from compilelm.passes.config import PassConfig, parse_pass_spec
 from compilelm.passes.inplace_lowering import InplaceLoweringPass
 from compilelm.passes.noop_elimination import NoOpEliminationPass
 
@@ -117,30 +117,6 @@ class PassManager(CustomGraphPass):
         """Pass name -> uuid, for the cache-key factors and the report."""
         stages = (("whole_graph", self.whole_graph), ("post_grad", self.post_grad + self.tail))
         return {f"{stage}.{p.name}": p.uuid() for stage, passes in stages for p in passes}
-
-
-STAGES = ("whole_graph", "post_grad")
-
-
-def parse_pass_spec(spec: str) -> tuple[str, str | None, tuple[str, str] | None]:
-    """"pkg.mod:Class,stage=post_grad,after=NoOpEliminationPass" -> (path, stage, ("after", name))."""
-    if not isinstance(spec, str):
-        raise ValueError(f"custom_passes entries must be strings, got {spec!r}")
-    path, *options = [part.strip() for part in spec.split(",")]
-    stage, where = None, None
-    for opt in options:
-        key, sep, value = opt.partition("=")
-        if not sep or not value or key not in ("stage", "before", "after"):
-            raise ValueError(f"custom_passes: {spec!r}: options are stage=..., before=Pass or after=Pass, got {opt!r}")
-        if key == "stage":
-            if value not in STAGES:
-                raise ValueError(f"custom_passes: {spec!r}: stage must be one of {', '.join(STAGES)}, got {value!r}")
-            stage = value
-        elif where is not None:
-            raise ValueError(f"custom_passes: {spec!r}: give one of before=/after=")
-        else:
-            where = (key, value)
-    return path, stage, where
 
 
 def load_pass(spec: str) -> type[CompilePass]:
