@@ -117,15 +117,21 @@ def trace_decomposed(fn, shapes, dtype):
     return gm
 
 
+def skinny_mm_then(fusion, fn, shapes, dtype):
+    """fn's decomposed graph after SkinnyMMPass, then `fusion`: (graph module, both passes)."""
+    gm = trace_decomposed(fn, shapes, dtype)
+    skinny_pass = SkinnyMMPass()
+    skinny_pass(gm.graph)
+    fusion(gm.graph)
+    gm.recompile()
+    return gm, skinny_pass, fusion
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norms_before_skinny_mm_fuse_into_it(dtype):
     from compilelm.passes.fuse_norm_skinny_mm import RMSNormSkinnyMMFusionPass
     shapes = [(3, 16), (3, 8), (16,), (8,), (8, 16), (24, 8)]
-    gm = trace_decomposed(norm_linears, shapes, dtype)
-    skinny_pass, fusion = SkinnyMMPass(), RMSNormSkinnyMMFusionPass()
-    skinny_pass(gm.graph)
-    fusion(gm.graph)
-    gm.recompile()
+    gm, skinny_pass, fusion = skinny_mm_then(RMSNormSkinnyMMFusionPass(), norm_linears, shapes, dtype)
     assert skinny_pass.matches == 2 and fusion.matches == 2
     t = targets(gm)
     assert t.count(torch.ops.compilelm.rms_norm_skinny_mm.default) == 1
@@ -193,11 +199,7 @@ def act_shared(x, w_down):
 def test_silu_mul_before_skinny_mm_fuses_into_it(dtype):
     from compilelm.passes.fuse_act_skinny_mm import SiluMulSkinnyMMFusionPass
     shapes = [(3, 16), (48, 16), (16, 24)]  # x, gate_up weight (2 x 24 rows), down weight
-    gm = trace_decomposed(mlp_down, shapes, dtype)
-    skinny_pass, fusion = SkinnyMMPass(), SiluMulSkinnyMMFusionPass()
-    skinny_pass(gm.graph)
-    fusion(gm.graph)
-    gm.recompile()
+    gm, skinny_pass, fusion = skinny_mm_then(SiluMulSkinnyMMFusionPass(), mlp_down, shapes, dtype)
     assert skinny_pass.matches == 2 and fusion.matches == 1
     t = targets(gm)
     assert t.count(torch.ops.compilelm.silu_mul_skinny_mm.default) == 1 and t.count(skinny) == 1  # gate_up's stays

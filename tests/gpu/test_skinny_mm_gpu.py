@@ -149,10 +149,26 @@ def test_norm_fallbacks_opcheck_and_graph_capture():
     assert torch.equal(y, want_y) and torch.equal(r_out, want_r)
 
 
+def compile_with_passes(model, name):
+    """torch.compile of `model` with compilelm's post-grad passes; returns (compiled, the pass `name`)."""
+    from compilelm.passes.config import PassConfig
+    from compilelm.passes.manager import PassManager
+
+    manager = PassManager(PassConfig())
+    fusion = next(p for p in manager.post_grad if p.name == name)
+    return torch.compile(model, options={"post_grad_custom_post_pass": manager, "fx_graph_cache": False}), fusion
+
+
+def dynamic_rows():
+    """Inputs of 3, 4, 7, 2 and 1 rows marked dynamic: the symbolic-size graph, then M = 1's."""
+    for m in (3, 4, 7, 2, 1):
+        x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
+        torch._dynamo.mark_dynamic(x, 0)
+        yield x
+
+
 def test_norm_fusion_inside_inductor_matches_eager(no_tf32):
     from compilelm.layers.layernorm import RMSNorm
-    from compilelm.passes.manager import PassManager
-    from compilelm.passes.config import PassConfig
 
     class Block(torch.nn.Module):  # input norm + linear, then add + norm + linear: a decoder layer's two
         def __init__(self):
@@ -168,13 +184,9 @@ def test_norm_fusion_inside_inductor_matches_eager(no_tf32):
     with torch.no_grad():
         for norm in (model.n1, model.n2):
             norm.weight.uniform_(0.5, 1.5)
-    manager = PassManager(PassConfig())
-    fusion = next(p for p in manager.post_grad if p.name == "RMSNormSkinnyMMFusionPass")
-    compiled = torch.compile(model, options={"post_grad_custom_post_pass": manager, "fx_graph_cache": False})
+    compiled, fusion = compile_with_passes(model, "RMSNormSkinnyMMFusionPass")
     with torch.no_grad():
-        for m in (3, 4, 7, 2, 1):
-            x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
-            torch._dynamo.mark_dynamic(x, 0)
+        for x in dynamic_rows():
             for got, want in zip(compiled(x), model(x)):
                 torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     assert fusion.matches == 4  # both norms of the symbolic-size graph, then of M = 1's
@@ -224,8 +236,6 @@ def test_silu_mul_fallbacks_opcheck_and_graph_capture():
 
 def test_silu_mul_fusion_inside_inductor_matches_eager(no_tf32):
     from compilelm.layers.activation import SiluAndMul
-    from compilelm.passes.config import PassConfig
-    from compilelm.passes.manager import PassManager
 
     class MLP(torch.nn.Module):
         def __init__(self):
@@ -238,12 +248,8 @@ def test_silu_mul_fusion_inside_inductor_matches_eager(no_tf32):
             return self.down(self.act(self.gate_up(x)))
 
     model = MLP().cuda().to(torch.bfloat16)
-    manager = PassManager(PassConfig())
-    fusion = next(p for p in manager.post_grad if p.name == "SiluMulSkinnyMMFusionPass")
-    compiled = torch.compile(model, options={"post_grad_custom_post_pass": manager, "fx_graph_cache": False})
+    compiled, fusion = compile_with_passes(model, "SiluMulSkinnyMMFusionPass")
     with torch.no_grad():
-        for m in (3, 4, 7, 2, 1):
-            x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
-            torch._dynamo.mark_dynamic(x, 0)
+        for x in dynamic_rows():
             torch.testing.assert_close(compiled(x), model(x), rtol=2e-2, atol=2e-2)
     assert fusion.matches == 2  # the symbolic-size graph's down_proj, then M = 1's
