@@ -24,7 +24,7 @@ import torch
 
 import compilelm.ops  # noqa: F401  (defines the ops the patterns use)
 from compilelm.layers.activation import SiluAndMul
-from compilelm.passes.base import FusionPass
+from compilelm.passes.skinny_mm import SkinnyMMFusionPass
 
 ops = torch.ops.compilelm
 _silu_and_mul = SiluAndMul()  # no parameters: the model's own forward is the pattern
@@ -39,12 +39,7 @@ def replace_silu_mul_skinny_mm(x, weight):
     return ops.silu_mul_skinny_mm.default(x, weight)
 
 
-class SiluMulSkinnyMMFusionPass(FusionPass):
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        # (graphs without skinny_mm, e.g. every CPU graph, are not even recorded)
-        if graph.find_nodes(op="call_function", target=ops.skinny_mm.default):
-            super().__call__(graph)
-
+class SiluMulSkinnyMMFusionPass(SkinnyMMFusionPass):
     def register(self):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             x, w = torch.empty(4, 32, dtype=dtype), torch.empty(8, 16, dtype=dtype)

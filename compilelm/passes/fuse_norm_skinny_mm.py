@@ -30,7 +30,7 @@ import torch
 
 import compilelm.ops  # noqa: F401  (defines the ops the patterns use)
 from compilelm.layers.layernorm import rms_norm
-from compilelm.passes.base import FusionPass
+from compilelm.passes.skinny_mm import SkinnyMMFusionPass
 
 ops = torch.ops.compilelm
 EPS = {"eps": 1e-5}  # traced with this value, matched for any value
@@ -55,12 +55,7 @@ def replace_rms_norm_skinny_mm(x, norm_weight, weight, eps):
     return ops.rms_norm_skinny_mm.default(x, norm_weight, eps, weight)
 
 
-class RMSNormSkinnyMMFusionPass(FusionPass):
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        # (graphs without skinny_mm, e.g. every CPU graph, are not even recorded)
-        if graph.find_nodes(op="call_function", target=ops.skinny_mm.default):
-            super().__call__(graph)
-
+class RMSNormSkinnyMMFusionPass(SkinnyMMFusionPass):
     def register(self):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             x, norm_w, w = torch.empty(4, 16, dtype=dtype), torch.empty(16, dtype=dtype), torch.empty(8, 16, dtype=dtype)

@@ -21,7 +21,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import compilelm.ops  # noqa: F401 (defines compilelm::skinny_mm)
-from compilelm.passes.base import CompilePass
+from compilelm.passes.base import CompilePass, FusionPass
 
 aten = torch.ops.aten
 MAX_ROWS = 2  # as kMaxRows in csrc/cuda/skinny_mm.cu
@@ -47,6 +47,15 @@ class SkinnyMMPass(CompilePass):
             graph.erase_node(mm)
             count += 1
         return count
+
+
+class SkinnyMMFusionPass(FusionPass):
+    """Base of the fusions into skinny_mm (they run after SkinnyMMPass): graphs without a
+    skinny_mm node, e.g. every CPU graph, are not even recorded."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if graph.find_nodes(op="call_function", target=torch.ops.compilelm.skinny_mm.default):
+            super().__call__(graph)
 
 
 def _routable(mm: torch.fx.Node) -> torch.fx.Node | None:

@@ -258,7 +258,7 @@ class ModelRunner:
             logits = self.cuda_graphs.replay(step.graph_size)  # fp32 [graph_size, vocab], LM head included
             if num_rows == 0:
                 return None
-            if np.array_equal(b.logits_idx, np.arange(num_rows)):  # every row sampled, in order
+            if _in_order(b.logits_idx):  # every row sampled, in order
                 return logits[:num_rows]
             return logits.index_select(0, logits_idx)
         pieces = (self.piecewise_graphs.at_size(step.graph_size) if step.graph_mode == "piecewise"
@@ -274,9 +274,8 @@ class ModelRunner:
         # input_ids: int64 [>= num_tokens]; last sampled: int64 [num_sampled of the previous step];
         # rows, src: int64 [num_pending] on the device (step.pending_rows / pending_src)
         sampled = self.last_sampled[0]
-        n = len(step.pending_rows)
-        in_order = np.arange(n)
-        if np.array_equal(step.pending_rows, in_order) and np.array_equal(step.pending_src, in_order):
+        if _in_order(step.pending_rows) and _in_order(step.pending_src):
+            n = len(step.pending_rows)
             input_ids[:n].copy_(sampled[:n])  # steady decode: row i takes the previous row i's token
         else:
             input_ids.index_copy_(0, rows, sampled.index_select(0, src))
@@ -333,3 +332,8 @@ class ModelRunner:
             result[req.request_id] = list(zip(range(start + 1, start + n + 1), lists))
             offset += n
         return result
+
+
+def _in_order(index: np.ndarray) -> bool:
+    """index == [0, 1, ..., len - 1]: a gather by it is a slice."""
+    return np.array_equal(index, np.arange(len(index)))

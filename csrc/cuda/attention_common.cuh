@@ -43,8 +43,8 @@ __device__ void zero_rows(const AttentionParams& p, int row_begin, int num_rows,
   }
 }
 
-constexpr int kMaxSplits = 64;     // split-K partitions of one row's context, at most
-constexpr int kMinSplitKeys = 64;  // keys of a split, at least: fewer splits than launched on short rows
+constexpr int kMaxSplits = 64;     // split-K partitions of one row's context, at most (merges: two per lane)
+constexpr int kMinSplitKeys = 64;  // keys of a split, at least (launch: max_context / splits; kernel: per row)
 
 // Keys per split of a row with num_keys keys, and the splits that get any: num_splits comes from
 // the launch's shapes (block-table width), but a short row is not cut into slivers (a split's
@@ -53,7 +53,8 @@ __device__ __forceinline__ int split_keys(int num_keys, int num_splits) {
   return max((num_keys + num_splits - 1) / num_splits, kMinSplitKeys);
 }
 __device__ __forceinline__ int active_splits(int num_keys, int num_splits) {
-  return max(1, (num_keys + split_keys(num_keys, num_splits) - 1) / split_keys(num_keys, num_splits));
+  const int keys = split_keys(num_keys, num_splits);
+  return max(1, (num_keys + keys - 1) / keys);
 }
 
 // The query row served by decode-kernel row x (a sequence, or with all_rows a query row):
@@ -75,36 +76,59 @@ __device__ __forceinline__ bool locate_row(const AttentionParams& p, bool all_ro
   return true;
 }
 
-// Merges the splits of decode row x, query head `head` into the output (all threads of the block
-// call it): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse). A padding row of
-// the all-rows fallback is zeroed. s_weight: shared scratch of kMaxSplits floats. The partials
-// are read through L2 (__ldcg): the decode kernel's last split merges partials that other
-// blocks of the same launch wrote, which an SM's L1 may hold stale.
+// Merges the splits of decode row x (query row `token`, num_keys keys) for query heads
+// [head0, head0 + num_heads) into the output; every thread of the block calls it.
+// out = sum_s w_s o_s with w_s = 2^(lse_s - max lse) / sum, over the active splits: one warp per
+// head takes the weights (lanes over splits, two each) into s_weight (shared, [num_heads][kMaxSplits]
+// floats), then the threads merge (head, element) outputs with their partial loads in flight
+// together. The partials are read through L2 (__ldcg): in the decode kernel the last split merges
+// partials that other blocks of the same launch wrote, which an SM's L1 may hold stale.
 template <typename T>
-__device__ void merge_splits(const AttentionParams& p, const SplitParams& s, int x, int head, float* s_weight) {
-  int token, seq, num_keys;
-  if (!locate_row(p, s.all_rows, x, token, seq, num_keys)) {
-    if (s.all_rows && x < p.num_tokens) zero_rows<T>(p, x, 1, head, 1);
-    return;
-  }
-  const int64_t first = (static_cast<int64_t>(x) * p.num_heads + head) * s.num_splits;
-  const int active = active_splits(num_keys, s.num_splits);
-  float lse_max = -INFINITY;
-  for (int i = 0; i < active; ++i) lse_max = fmaxf(lse_max, __ldcg(s.partial_lse + first + i));
-  for (int i = threadIdx.x; i < active; i += blockDim.x) {
-    s_weight[i] = lse_max == -INFINITY ? 0.f : exp2f(__ldcg(s.partial_lse + first + i) - lse_max);  // empty: 0
+__device__ void merge_splits(const AttentionParams& p, const SplitParams& s, int x, int token, int num_keys,
+                             int head0, int num_heads, float* s_weight) {
+  static_assert(kMaxSplits == 64, "two splits per lane");
+  const int lane = threadIdx.x % 32, active = active_splits(num_keys, s.num_splits);
+  const int64_t first = (static_cast<int64_t>(x) * p.num_heads + head0) * s.num_splits;  // (x, head0, split 0)
+  for (int g = threadIdx.x / 32; g < num_heads; g += blockDim.x / 32) {
+    const float* lse = s.partial_lse + first + static_cast<int64_t>(g) * s.num_splits;
+    const float lse0 = lane < active ? __ldcg(lse + lane) : -INFINITY;
+    const float lse1 = lane + 32 < active ? __ldcg(lse + lane + 32) : -INFINITY;
+    float lse_max = fmaxf(lse0, lse1);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffffu, lse_max, offset));
+    const float w0 = lse_max == -INFINITY ? 0.f : exp2f(lse0 - lse_max);  // an empty split: 0
+    const float w1 = lse_max == -INFINITY ? 0.f : exp2f(lse1 - lse_max);
+    float total = w0 + w1;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    s_weight[g * kMaxSplits + lane] = w0 * inv;
+    s_weight[g * kMaxSplits + lane + 32] = w1 * inv;
   }
   __syncthreads();
-  float total = 0.f;
-  for (int i = 0; i < active; ++i) total += s_weight[i];
-  const float inv = total > 0.f ? 1.f / total : 0.f;
-  for (int d = threadIdx.x; d < p.head_size; d += blockDim.x) {
+  const int d_size = p.head_size;
+  for (int i = threadIdx.x; i < num_heads * d_size; i += blockDim.x) {
+    const int g = i / d_size, d = i % d_size;
+    const float* partial = s.partial_out + (first + static_cast<int64_t>(g) * s.num_splits) * d_size + d;
     float o = 0.f;
-    for (int i = 0; i < active; ++i) o += s_weight[i] * __ldcg(s.partial_out + (first + i) * p.head_size + d);
-    static_cast<T*>(p.out)[(static_cast<int64_t>(token) * p.num_heads + head) * p.head_size + d] =
-        from_float<T>(o * inv);
+#pragma unroll 8
+    for (int j = 0; j < active; ++j) o += s_weight[g * kMaxSplits + j] * __ldcg(partial + j * d_size);
+    static_cast<T*>(p.out)[(static_cast<int64_t>(token) * p.num_heads + head0 + g) * d_size + d] = from_float<T>(o);
   }
   __syncthreads();  // s_weight is reused by the caller's next merge
+}
+
+// merge_splits for decode row x as the merge kernel and the prefill kernel see it: a row that is
+// not a decode row is skipped; a padding row of the all-rows fallback is zeroed.
+template <typename T>
+__device__ void merge_row(const AttentionParams& p, const SplitParams& s, int x, int head0, int num_heads,
+                          float* s_weight) {
+  int token, seq, num_keys;
+  if (!locate_row(p, s.all_rows, x, token, seq, num_keys)) {
+    if (s.all_rows && x < p.num_tokens) zero_rows<T>(p, x, 1, head0, num_heads);
+    return;
+  }
+  merge_splits<T>(p, s, x, token, num_keys, head0, num_heads, s_weight);
 }
 
 }  // namespace compilelm::cuda

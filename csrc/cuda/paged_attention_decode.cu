@@ -29,8 +29,6 @@ namespace compilelm::cuda {
 namespace {
 
 constexpr int kWarps = 4;
-static_assert(kMaxSplits == 64, "the in-kernel merge holds two splits per lane");
-constexpr int kMinKeysPerSplit = 32;    // one step of a program (bf16, head_size 128)
 constexpr int kProgramCostKeys = 128;  // a program's start-up and merge, in keys streamed
 
 __device__ __forceinline__ uint4 load_stream(const void* ptr) {
@@ -270,34 +268,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
   __syncthreads();
   if (!s_last) return;
-  // weights 2^(lse - max lse) / sum, one warp per head (lanes over splits: two each), then every
-  // thread merges (head, element) outputs with its loads of the splits' partials in flight together
-  const int64_t first = static_cast<int64_t>(row) * p.num_heads * s.num_splits;  // (row, head 0, split 0)
-  for (int g = threadIdx.x / 32; g < num_q; g += kWarps) {
-    const float* lse = s.partial_lse + first + static_cast<int64_t>(head0 + g) * s.num_splits;
-    const float lse0 = lane < active ? __ldcg(lse + lane) : -INFINITY;
-    const float lse1 = lane + 32 < active ? __ldcg(lse + lane + 32) : -INFINITY;
-    float lse_max = fmaxf(lse0, lse1);
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffffu, lse_max, offset));
-    const float w0 = lse_max == -INFINITY ? 0.f : exp2f(lse0 - lse_max);  // an empty split: 0
-    const float w1 = lse_max == -INFINITY ? 0.f : exp2f(lse1 - lse_max);
-    float total = w0 + w1;
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
-    const float inv = total > 0.f ? 1.f / total : 0.f;
-    s_weight[g][lane] = w0 * inv;
-    s_weight[g][lane + 32] = w1 * inv;
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < num_q * D; i += blockDim.x) {
-    const int g = i / D, d = i % D;
-    const float* partial = s.partial_out + (first + static_cast<int64_t>(head0 + g) * s.num_splits) * D + d;
-    float o = 0.f;
-#pragma unroll 8
-    for (int j = 0; j < active; ++j) o += s_weight[g][j] * __ldcg(partial + j * D);
-    static_cast<T*>(p.out)[(static_cast<int64_t>(token) * p.num_heads + head0 + g) * D + d] = from_float<T>(o);
-  }
+  merge_splits<T>(p, s, row, token, num_keys, head0, num_q, &s_weight[0][0]);
 }
 
 // Merges the splits of (row, head) = divmod(program, num_heads): the all-rows fallback has no
@@ -308,7 +279,7 @@ __global__ void __launch_bounds__(128)
   wait_for_prior_kernels();  // PDL (launch.cuh): before any read of earlier kernels' outputs
   allow_dependent_kernels();
   __shared__ float s_weight[kMaxSplits];
-  merge_splits<T>(p, s, blockIdx.x / p.num_heads, blockIdx.x % p.num_heads, s_weight);
+  merge_row<T>(p, s, blockIdx.x / p.num_heads, blockIdx.x % p.num_heads, 1, s_weight);
 }
 
 // Split count minimizing waves(s) x (keys per split + a program's fixed cost), where waves(s)
@@ -318,7 +289,7 @@ __global__ void __launch_bounds__(128)
 int choose_num_splits(int64_t programs, int64_t capacity, int64_t max_context) {
   int best = 1;
   double best_cost = 0.0;
-  for (int64_t s = 1; s <= kMaxSplits && (s == 1 || max_context / s >= kMinKeysPerSplit); ++s) {
+  for (int64_t s = 1; s <= kMaxSplits && (s == 1 || max_context / s >= kMinSplitKeys); ++s) {
     const int64_t waves = (programs * s + capacity - 1) / capacity;
     const double cost = static_cast<double>(waves) * ((max_context + s - 1) / s + kProgramCostKeys);
     if (s == 1 || cost < best_cost) {
@@ -367,9 +338,8 @@ SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_r
   }();
   const int rows = all_rows ? p.num_tokens : p.num_seqs;
   const int chunks = (p.group + GP - 1) / GP;
-  const int splits = choose_num_splits(static_cast<int64_t>(rows) * p.num_kv_heads * chunks, capacity, max_context);
-
   const int64_t programs = static_cast<int64_t>(rows) * p.num_kv_heads * chunks;
+  const int splits = choose_num_splits(programs, capacity, max_context);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   SplitParams s{all_rows, splits, nullptr, nullptr, nullptr};
   if (splits > 1) {  // workspace from torch's caching allocator: stream-ordered, capture-safe

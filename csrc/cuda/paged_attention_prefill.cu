@@ -99,9 +99,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int32_t* cu = p.cu_seqlens_q;
   const int merge_program = tile - (p.num_tokens / R + p.num_seqs + 1);
   if (merge_program >= 0) {
-    for (int head = kv_head * G; head < kv_head * G + G; ++head) {
-      merge_splits<T>(p, splits, merge_program, head, reinterpret_cast<float*>(smem));
-    }
+    merge_row<T>(p, splits, merge_program, kv_head * G, G, reinterpret_cast<float*>(smem));  // G x kMaxSplits floats
     return;
   }
   const int padding_tile = cu[p.num_seqs] / R + p.num_seqs;
