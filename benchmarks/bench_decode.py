@@ -61,13 +61,23 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(3, vocab, (batch, length), generator=g).tolist()
 
 
+def decode_tokens(batch: int, context: int, steps: int, step_tokens: int) -> int:
+    """max_tokens of the timed requests: enough that none finishes before the measurement ends.
+    Prompts prefill in chunks of `step_tokens`, and a request decodes in every step after its
+    prompt, so the first one is ahead of the last by up to the number of prefill steps."""
+    return steps + 8 + -(-batch * context // step_tokens) + 8
+
+
 def time_ours(engine, batch: int, context: int, steps: int) -> tuple[float, float | None]:
     """Median ms of one engine step while `batch` requests decode at ~`context` tokens, and the
     mean GPU ms of the decode CUDA graph (forward + LM head) replayed alone (the rest is host work,
-    the input copies and sampling)."""
+    the input copies and sampling). Every timed step decodes all `batch` requests (checked): the
+    graph replayed alone then reads the inputs of a step of its own size."""
     from compilelm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    step_tokens = engine.scheduler.config.max_num_batched_tokens
+    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens(batch, context, steps, step_tokens),
+                            ignore_eos=True)
     ids = [engine.add_request(None, p, params) for p in prompts(batch, context, engine.model_config.vocab_size, batch)]
     produced = {}
     while len(produced) < batch or min(produced.values()) < 3:  # prefill done, decoding warmed up
@@ -78,6 +88,9 @@ def time_ours(engine, batch: int, context: int, steps: int) -> tuple[float, floa
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
+    if engine.scheduler.num_running != batch:
+        raise RuntimeError(f"{batch - engine.scheduler.num_running} of {batch} requests stopped decoding "
+                           "during the measurement")
     graph_ms = None
     graphs = engine.model_runner.cuda_graphs
     size = graphs.padded_size(batch) if graphs else None
@@ -142,7 +155,8 @@ def bench_model(name: str, args, bandwidth: float, rows: list, save) -> None:
         # kernels launch (and graphs capture) with programmatic dependent launch or without
         torch.ops.compilelm.set_programmatic_launch(pdl)
         t0 = time.perf_counter()
-        llm = LLM(model=name, dtype="bfloat16", max_model_len=args.context + args.steps + 64,
+        llm = LLM(model=name, dtype="bfloat16",
+                  max_model_len=args.context + decode_tokens(max_batch, args.context, args.steps, 8192),
                   max_num_seqs=max_batch, max_num_batched_tokens=8192,
                   compilation_config={"cache_dir": args.cache_dir} if args.cache_dir else None)
         startup = time.perf_counter() - t0

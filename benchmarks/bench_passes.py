@@ -190,14 +190,18 @@ def build_engine(model: str, quantization: str | None, off: str | None, args):
     found: seconds and the passes' matches (None when a cached compile ran no pass)."""
     from compilelm import LLM
 
-    max_len = max(args.prefill, args.context + args.steps + 16) + 16
-    blocks = max(args.batches) * -(-(args.context + args.steps + 16) // 16) + -(-max_len // 16) + 16
+    from benchmarks.bench_decode import decode_tokens
+
+    step_tokens = max(args.prefill, 256)
+    decoded = decode_tokens(max(args.batches), args.context, args.steps, step_tokens)  # time_ours's max_tokens
+    max_len = max(args.prefill, args.context + decoded) + 16
+    blocks = max(args.batches) * -(-(args.context + decoded) // 16) + -(-max_len // 16) + 16
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="compilelm-passes-") as tmp, watch_compiles() as compiled:
         compilation = {"cudagraph_capture_sizes": args.batches, "passes": {off: False} if off else {},
                        "cache_dir": args.cache_dir or tmp}  # a fresh cache: the passes run and count matches
         llm = LLM(model, dtype="bfloat16" if torch.cuda.is_available() else "auto", quantization=quantization,
-                  max_model_len=max_len, max_num_seqs=max(args.batches), max_num_batched_tokens=max(args.prefill, 256),
+                  max_model_len=max_len, max_num_seqs=max(args.batches), max_num_batched_tokens=step_tokens,
                   num_kv_blocks=blocks, enable_prefix_caching=False, compilation_config=compilation,
                   model_overrides={"num_hidden_layers": args.layers} if args.layers else {})
     cold = [cm for cm in compiled if cm.mode != "warm"]  # a warm start loads pieces: no pass runs, no matches
