@@ -42,12 +42,6 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None):
         super().__init__()
         self.head_dim = head_dim
-        if torch.get_default_device().type == "meta":
-            # Built on meta (build_model), which computes the real cache on the real device next;
-            # computing it here would only run torch's Python meta kernels, which import Dynamo.
-            cache = torch.empty(max_position, (head_dim + 1) // 2 * 2, dtype=torch.float32)
-            self.register_buffer("cos_sin_cache", cache, persistent=False)
-            return
         inv_freq, attn_scale = compute_inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_position, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)  # [max_position, head_dim // 2]
