@@ -18,18 +18,29 @@
 namespace compilelm {
 namespace {
 std::atomic<bool> programmatic_launch{true};
+std::atomic<bool> cluster_merge{true};
 }  // namespace
 
 // CUDA kernels launch with programmatic dependent launch (csrc/cuda/launch.cuh) unless turned off.
 bool programmatic_launch_enabled() { return programmatic_launch.load(std::memory_order_relaxed); }
 
 bool set_programmatic_launch(bool enabled) { return programmatic_launch.exchange(enabled); }
+
+// Pure-decode split-K merges inside a thread block cluster (csrc/cuda/paged_attention_decode.cu,
+// sm_90+) unless turned off: then the last split to arrive merges through global memory.
+bool cluster_merge_enabled() { return cluster_merge.load(std::memory_order_relaxed); }
+
+bool set_cluster_merge(bool enabled) { return cluster_merge.exchange(enabled); }
 }  // namespace compilelm
 
 TORCH_LIBRARY(compilelm, m) {
   // CUDA launches with or without programmatic dependent launch (csrc/cuda/launch.cuh); returns
   // the previous setting. Takes effect for launches (and graph captures) after the call.
   m.def("set_programmatic_launch(bool enabled) -> bool", &compilelm::set_programmatic_launch);
+  // Pure-decode paged attention merges its split-K partials in a thread block cluster (sm_90+),
+  // or, turned off, through global memory (the split that arrives last); returns the previous
+  // setting. Takes effect for launches (and graph captures) after the call.
+  m.def("set_cluster_merge(bool enabled) -> bool", &compilelm::set_cluster_merge);
   // key, value: [num_tokens, num_kv_heads, head_size]; slot_mapping: int64 [num_tokens], -1 skips.
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "

@@ -205,12 +205,14 @@ def test_bad_inputs_raise():
         paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale, -1)
 
 
-def test_set_programmatic_launch_returns_the_previous_setting():
-    """The CUDA launch setting (csrc/cuda/launch.cuh) is process state every build has."""
-    ops = torch.ops.compilelm
-    previous = ops.set_programmatic_launch(False)
+@pytest.mark.parametrize("setting", ["set_programmatic_launch", "set_cluster_merge"])
+def test_launch_settings_return_the_previous_setting(setting):
+    """The CUDA launch settings (csrc/cuda/launch.cuh, the decode kernel's merge) are process
+    state every build has."""
+    toggle = getattr(torch.ops.compilelm, setting)
+    previous = toggle(False)
     try:
-        assert ops.set_programmatic_launch(True) is False
-        assert ops.set_programmatic_launch(True) is True
+        assert toggle(True) is False
+        assert toggle(True) is True
     finally:
-        ops.set_programmatic_launch(previous)
+        toggle(previous)

@@ -10,13 +10,21 @@
 // Split-K (flash-decoding): with few programs per SM (small batch, long context) the context
 // of each row is cut into num_splits equal chunks; each split writes its normalized partial
 // output and log2-sum-exp to a workspace; the prefill kernel, launched next, merges them. In
-// the all-rows path (pure decode: full CUDA graphs) the split that finishes last merges them
-// itself: each split counts its arrival in a per-program counter, and the last one to arrive
-// resets it and merges (a merge kernel only where the counters are unavailable). num_splits
-// comes from shapes only (never from seq_lens values), so the launch is CUDA-graph capturable.
+// the all-rows path (pure decode: full CUDA graphs) the kernel merges them itself:
+//   - on sm_90+, when the launch fits in one wave, a program's splits (at most 8) run as one
+//     thread block cluster: each keeps its partial in shared memory, and after a cluster
+//     barrier the blocks merge the row's (head, element) outputs reading every split's shared
+//     memory (DSMEM): no partials in global memory, no fence, no atomic;
+//   - else (or with compilelm::set_cluster_merge(False)) each split counts its arrival in a
+//     per-program counter, and the last one to arrive resets it and merges from the workspace
+//     (a merge kernel only where the counters are unavailable).
+// num_splits comes from shapes only (never from seq_lens values), so the launch is CUDA-graph
+// capturable.
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
+
+#include <cooperative_groups.h>
 
 #include <algorithm>
 #include <cmath>
@@ -30,6 +38,7 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kProgramCostKeys = 128;  // a program's start-up and merge, in keys streamed
+constexpr int kMaxClusterSplits = 8;   // the portable thread block cluster size
 
 __device__ __forceinline__ uint4 load_stream(const void* ptr) {
   uint4 v;
@@ -49,18 +58,55 @@ struct DecodeTile {
   static_assert(D % (kVec * kLanes) == 0 && 32 % kLanes == 0, "unsupported head_size");
 };
 
-template <typename T, int D, int GP>
+// The cluster merge (kCluster): block `split` of the cluster holds its split's normalized output
+// s_out [GP][D] and log2-sum-exp s_lse [GP]; the blocks share the row's num_q x D outputs, each
+// reading the other splits' shared memory, out = sum_s w_s o_s, w_s = 2^(lse_s - max) / sum.
+// The second barrier keeps every block (and its shared memory) alive until all reads are done.
+template <typename T, int D>
+__device__ void merge_in_cluster(const AttentionParams& p, int token, int head0, int num_q, const float* s_out,
+                                 const float* s_lse) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  const int splits = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
+  for (int i = rank * blockDim.x + threadIdx.x; i < num_q * D; i += splits * blockDim.x) {
+    const int g = i / D, d = i % D;
+    float lse[kMaxClusterSplits], lse_max = -INFINITY;
+#pragma unroll
+    for (int r = 0; r < kMaxClusterSplits; ++r) {
+      lse[r] = r < splits ? cluster.map_shared_rank(s_lse, r)[g] : -INFINITY;
+      lse_max = fmaxf(lse_max, lse[r]);
+    }
+    float total = 0.f, o = 0.f;
+    if (lse_max != -INFINITY) {  // else no split had keys
+#pragma unroll
+      for (int r = 0; r < kMaxClusterSplits; ++r) {
+        if (r < splits) {
+          const float w = exp2f(lse[r] - lse_max);  // an empty split: 0
+          total += w;
+          o += w * cluster.map_shared_rank(s_out, r)[g * D + d];
+        }
+      }
+    }
+    static_cast<T*>(p.out)[(static_cast<int64_t>(token) * p.num_heads + head0 + g) * D + d] =
+        from_float<T>(total > 0.f ? o / total : 0.f);
+  }
+  cluster.sync();
+#endif
+}
+
+template <typename T, int D, int GP, bool kCluster>
 __global__ void __launch_bounds__(kWarps * 32)
     paged_attention_decode_kernel(const AttentionParams p, const SplitParams s) {
-  wait_for_prior_kernels();  // PDL (launch.cuh): before any read of earlier kernels' outputs
-  allow_dependent_kernels();
   using Tile = DecodeTile<T, D, GP>;
   constexpr int kVec = Tile::kVec, kLanes = Tile::kLanes, kLoads = Tile::kLoads;
   constexpr int kGroups = Tile::kGroups, kUnroll = Tile::kUnroll;
   __shared__ float s_acc[kGroups][GP][D];
   __shared__ float s_m[kGroups][GP], s_l[kGroups][GP];
-  __shared__ float s_weight[GP][kMaxSplits];  // the in-kernel merge's normalized split weights
+  __shared__ float s_weight[kCluster ? 1 : GP][kCluster ? 1 : kMaxSplits];  // the last split's merge weights
   __shared__ bool s_last;
+  __shared__ float s_out[kCluster ? GP : 1][kCluster ? D : 1], s_lse[GP];  // the cluster merge's partial
 
   const int lane = threadIdx.x % 32;
   const int lane_in_row = lane % kLanes;
@@ -74,19 +120,56 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int num_q = min(GP, kv_head * p.group + p.group - head0);  // heads of this program
   const int split = blockIdx.y;
 
+  // Before the PDL wait (launch.cuh) only the step's metadata and the context of earlier steps
+  // are read: the keys before `fresh` (this step's rows are written by the kernel just before).
   int token, seq, num_keys;
-  if (!locate_row(p, s.all_rows, row, token, seq, num_keys)) {
-    const bool zeroes = s.num_splits == 1 || (s.arrivals != nullptr && split == 0);  // else the merge kernel
+  const bool located = locate_row(p, s.all_rows, row, token, seq, num_keys);
+  const int active = located ? active_splits(num_keys, s.num_splits) : 0;
+  const int chunk = located ? split_keys(num_keys, s.num_splits) : 0;
+  const int begin = split * chunk;
+  const int end = min(num_keys, begin + chunk);
+  const int fresh = located ? p.seq_lens[seq] - (p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq]) : 0;
+
+  const int32_t* block_table = p.block_tables + static_cast<int64_t>(located ? seq : 0) * p.max_blocks;
+  const int64_t head_offset = kv_head * p.head_stride + lane_in_row * kVec;
+  const T* k_base = static_cast<const T*>(p.key_cache) + head_offset;
+  const T* v_base = static_cast<const T*>(p.value_cache) + head_offset;
+
+  // key rows base + u * kGroups + row_group (u < kUnroll) of one step, those below `limit`; the
+  // next step's loads are issued before this step's math, so every warp always has loads in flight
+  constexpr int kStep = kGroups * kUnroll;
+  uint4 k_next[kUnroll][kLoads], v_next[kUnroll][kLoads];
+  const auto load = [&](int base, int limit) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int key = base + u * kGroups + row_group;
+      const bool valid = key < limit;
+      int64_t offset = 0;
+      if (valid) {
+        offset = block_table[key / p.block_size] * p.block_stride + key % p.block_size * p.slot_stride;
+      }
+#pragma unroll
+      for (int l = 0; l < kLoads; ++l) {
+        k_next[u][l] = valid ? load_stream(k_base + offset + l * kLanes * kVec) : make_uint4(0, 0, 0, 0);
+        v_next[u][l] = valid ? load_stream(v_base + offset + l * kLanes * kVec) : make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+  const bool works = located && split < active && begin < end;
+  if (works) load(begin, min(end, fresh));
+  wait_for_prior_kernels();  // PDL (launch.cuh): before any read of earlier kernels' outputs
+  allow_dependent_kernels();
+  if (!located) {
+    const bool zeroes = s.num_splits == 1 || ((kCluster || s.arrivals != nullptr) && split == 0);  // else the merge kernel
     if (s.all_rows && zeroes && row < p.num_tokens) {
       zero_rows<T>(p, row, 1, head0, num_q);  // padding row
     }
     return;
   }
-  const int active = active_splits(num_keys, s.num_splits);
-  if (split >= active) return;  // no keys: no partial, not counted (the merge reads `active` splits)
-  const int chunk = split_keys(num_keys, s.num_splits);
-  const int begin = split * chunk;
-  const int end = min(num_keys, begin + chunk);
+  // no keys: no partial, not counted (the merge reads `active` splits); in a cluster every block
+  // takes part in the merge (its partial: empty)
+  if (!kCluster && split >= active) return;
+  if (works && begin + kStep > fresh) load(begin, end);  // the first step holds this step's rows: now
 
   // q[g][l][e]: element (l * kLanes + lane_in_row) * kVec + e of head head0 + g, times scale*log2e
   float q[GP][kLoads][kVec];
@@ -116,32 +199,6 @@ __global__ void __launch_bounds__(kWarps * 32)
       for (int e = 0; e < kVec; ++e) acc[g][l][e] = 0.f;
   }
 
-  const int32_t* block_table = p.block_tables + static_cast<int64_t>(seq) * p.max_blocks;
-  const int64_t head_offset = kv_head * p.head_stride + lane_in_row * kVec;
-  const T* k_base = static_cast<const T*>(p.key_cache) + head_offset;
-  const T* v_base = static_cast<const T*>(p.value_cache) + head_offset;
-
-  // key rows base + u * kGroups + row_group (u < kUnroll) of one step; the next step's loads
-  // are issued before this step's math, so every warp always has loads in flight
-  constexpr int kStep = kGroups * kUnroll;
-  uint4 k_next[kUnroll][kLoads], v_next[kUnroll][kLoads];
-  const auto load = [&](int base) {
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int key = base + u * kGroups + row_group;
-      const bool valid = key < end;
-      int64_t offset = 0;
-      if (valid) {
-        offset = block_table[key / p.block_size] * p.block_stride + key % p.block_size * p.slot_stride;
-      }
-#pragma unroll
-      for (int l = 0; l < kLoads; ++l) {
-        k_next[u][l] = valid ? load_stream(k_base + offset + l * kLanes * kVec) : make_uint4(0, 0, 0, 0);
-        v_next[u][l] = valid ? load_stream(v_base + offset + l * kLanes * kVec) : make_uint4(0, 0, 0, 0);
-      }
-    }
-  };
-  if (begin < end) load(begin);
   for (int base = begin; base < end; base += kStep) {
     uint4 k_raw[kUnroll][kLoads], v_raw[kUnroll][kLoads];
     bool valid[kUnroll];
@@ -154,7 +211,7 @@ __global__ void __launch_bounds__(kWarps * 32)
         v_raw[u][l] = v_next[u][l];
       }
     }
-    if (base + kStep < end) load(base + kStep);
+    if (base + kStep < end) load(base + kStep, end);
 
     // scores[u][g] = q_g . k_u (log2 units); the row group's lanes all-reduce their partial dots
     float scores[kUnroll][GP];
@@ -244,7 +301,10 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
     const float o = denom > 0.f ? numer / denom : 0.f;  // an empty split contributes nothing
     const int head = head0 + g;
-    if (s.num_splits == 1) {
+    if constexpr (kCluster) {
+      s_out[g][d] = o;
+      if (d == 0) s_lse[g] = denom > 0.f ? m_max + log2f(denom) : -INFINITY;
+    } else if (s.num_splits == 1) {
       static_cast<T*>(p.out)[(static_cast<int64_t>(token) * p.num_heads + head) * D + d] = from_float<T>(o);
     } else {
       const int64_t partial = (static_cast<int64_t>(row) * p.num_heads + head) * s.num_splits + split;
@@ -252,23 +312,27 @@ __global__ void __launch_bounds__(kWarps * 32)
       if (d == 0) s.partial_lse[partial] = denom > 0.f ? m_max + log2f(denom) : -INFINITY;
     }
   }
-  if (s.arrivals == nullptr) return;
-  // The last split of this program to finish merges its heads: the block's partials are ordered
-  // before its count by the barrier and one thread's fence (release; a fence in every thread
-  // stalled each block's end: Llama-3.1-8B batch 64 attention 123 -> 130 us on an H100), the
-  // last one fences again before reading (acquire); the counter is reset for the next launch.
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    s_last = atomicAdd(&s.arrivals[blockIdx.x], 1) == active - 1;
-    if (s_last) {
-      s.arrivals[blockIdx.x] = 0;
+  if constexpr (kCluster) {
+    merge_in_cluster<T, D>(p, token, head0, num_q, &s_out[0][0], s_lse);
+  } else {
+    if (s.arrivals == nullptr) return;
+    // The last split of this program to finish merges its heads: the block's partials are ordered
+    // before its count by the barrier and one thread's fence (release; a fence in every thread
+    // stalled each block's end: Llama-3.1-8B batch 64 attention 123 -> 130 us on an H100), the
+    // last one fences again before reading (acquire); the counter is reset for the next launch.
+    __syncthreads();
+    if (threadIdx.x == 0) {
       __threadfence();
+      s_last = atomicAdd(&s.arrivals[blockIdx.x], 1) == active - 1;
+      if (s_last) {
+        s.arrivals[blockIdx.x] = 0;
+        __threadfence();
+      }
     }
+    __syncthreads();
+    if (!s_last) return;
+    merge_splits<T>(p, s, row, token, num_keys, head0, num_q, &s_weight[0][0]);
   }
-  __syncthreads();
-  if (!s_last) return;
-  merge_splits<T>(p, s, row, token, num_keys, head0, num_q, &s_weight[0][0]);
 }
 
 // Merges the splits of (row, head) = divmod(program, num_heads): the all-rows fallback has no
@@ -286,10 +350,10 @@ __global__ void __launch_bounds__(128)
 // = ceil(programs * s / resident programs): every row taken at the full max_context. Splitting
 // fills idle SMs (few rows) and evens out a last, partial wave; each split adds a program's
 // start-up, merge and the partials' traffic.
-int choose_num_splits(int64_t programs, int64_t capacity, int64_t max_context) {
+int choose_num_splits(int64_t programs, int64_t capacity, int64_t max_context, int max_splits) {
   int best = 1;
   double best_cost = 0.0;
-  for (int64_t s = 1; s <= kMaxSplits && (s == 1 || max_context / s >= kMinSplitKeys); ++s) {
+  for (int64_t s = 1; s <= max_splits && (s == 1 || max_context / s >= kMinSplitKeys); ++s) {
     const int64_t waves = (programs * s + capacity - 1) / capacity;
     const double cost = static_cast<double>(waves) * ((max_context + s - 1) / s + kProgramCostKeys);
     if (s == 1 || cost < best_cost) {
@@ -325,22 +389,40 @@ int* arrival_counters(int64_t programs, cudaStream_t stream) {
   return counters[device];
 }
 
-template <typename T, int D, int GP>
-SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_rows, int64_t max_context,
-                   at::Tensor& workspace) {
-  const auto kernel = paged_attention_decode_kernel<T, D, GP>;
-  static const int64_t capacity = [&] {  // resident programs on the whole GPU
+template <typename T, int D, int GP, bool kCluster>
+int64_t resident_programs() {  // on the whole GPU
+  static const int64_t capacity = [] {
     int per_sm = 0, sms = 0, device = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, 0));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, paged_attention_decode_kernel<T, D, GP, kCluster>, kWarps * 32, 0));
     C10_CUDA_CHECK(cudaGetDevice(&device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     return static_cast<int64_t>(std::max(per_sm, 1)) * sms;
   }();
+  return capacity;
+}
+
+template <typename T, int D, int GP>
+SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_rows, int64_t max_context,
+                   at::Tensor& workspace) {
   const int rows = all_rows ? p.num_tokens : p.num_seqs;
   const int chunks = (p.group + GP - 1) / GP;
   const int64_t programs = static_cast<int64_t>(rows) * p.num_kv_heads * chunks;
-  const int splits = choose_num_splits(programs, capacity, max_context);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // All rows on sm_90+, when the launch is one wave: a program's splits (at most 8) in one cluster,
+  // merged there (no workspace). Over several waves clusters were slower (co-scheduling a
+  // cluster's blocks): Llama-3.1-8B batch 64 x 1024 on an H100, 126 -> 140 us.
+  if (all_rows && cluster_merge_enabled() && at::cuda::getCurrentDeviceProperties()->major >= 9) {
+    const int64_t capacity = resident_programs<T, D, GP, true>();
+    const int splits = choose_num_splits(programs, capacity, max_context, kMaxClusterSplits);
+    if (splits > 1 && programs * splits <= capacity) {
+      launch_kernel_in_clusters(paged_attention_decode_kernel<T, D, GP, true>,
+                                dim3(static_cast<unsigned>(programs), splits), dim3(1, splits, 1), kWarps * 32, 0,
+                                stream, p, SplitParams{all_rows, splits, nullptr, nullptr, nullptr});
+      return SplitParams{all_rows, 1, nullptr, nullptr, nullptr};  // merged: nothing left to the caller
+    }
+  }
+  const int splits = choose_num_splits(programs, resident_programs<T, D, GP, false>(), max_context, kMaxSplits);
   SplitParams s{all_rows, splits, nullptr, nullptr, nullptr};
   if (splits > 1) {  // workspace from torch's caching allocator: stream-ordered, capture-safe
     const int64_t partials = static_cast<int64_t>(rows) * p.num_heads * splits;
@@ -349,7 +431,8 @@ SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_r
     s.partial_lse = s.partial_out + partials * p.head_size;
     if (all_rows) s.arrivals = arrival_counters(programs, stream);
   }
-  launch_kernel(kernel, dim3(static_cast<unsigned>(programs), splits), kWarps * 32, 0, stream, p, s);
+  launch_kernel(paged_attention_decode_kernel<T, D, GP, false>, dim3(static_cast<unsigned>(programs), splits),
+                kWarps * 32, 0, stream, p, s);
   if (all_rows && splits > 1 && s.arrivals == nullptr) {
     launch_kernel(paged_attention_merge_kernel<T>, rows * p.num_heads, 128, 0, stream, p, s);
   }

@@ -27,16 +27,27 @@ constexpr int kWarpsPerBlock = 4;
 
 template <typename T, typename CosT, int D, bool kNorm>
 __global__ void rope_and_cache_kernel(const RopeCacheParams p) {
-  wait_for_prior_kernels();  // PDL (launch.cuh): before any read of earlier kernels' outputs
-  allow_dependent_kernels();
   constexpr int E = D / 32;
   const int token = blockIdx.x;
   const int unit = blockIdx.y * kWarpsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int q_units = p.num_heads, qk_units = p.num_heads + p.num_kv_heads;
-  if (unit >= qk_units + p.num_kv_heads) return;
+  // Before the PDL wait (launch.cuh): the step's slot and position, and this lane's cos/sin
+  // (rounded to T, as apply_rope's `.to(x.dtype)`): none is an earlier kernel's output.
   const int64_t slot = p.slot_mapping[token];
   const bool cached = slot >= 0 && slot < p.num_slots;
+  float cos_j[E / 2], sin_j[E / 2];
+  if (unit < qk_units) {
+    const CosT* cos = static_cast<const CosT*>(p.cos_sin_cache) + p.positions[token] * D;
+#pragma unroll
+    for (int e = 0; e < E / 2; ++e) {
+      cos_j[e] = round_to<T>(to_float(cos[lane + 32 * e]));
+      sin_j[e] = round_to<T>(to_float(cos[D / 2 + lane + 32 * e]));
+    }
+  }
+  wait_for_prior_kernels();  // PDL (launch.cuh): before any read of earlier kernels' outputs
+  allow_dependent_kernels();
+  if (unit >= qk_units + p.num_kv_heads) return;
 
   if (unit >= qk_units) {  // value head: copy
     if (!cached) return;
@@ -68,14 +79,12 @@ __global__ void rope_and_cache_kernel(const RopeCacheParams p) {
     for (int e = 0; e < E; ++e) x[e] = round_to<T>(to_float(w[lane + 32 * e]) * round_to<T>(x[e] * inv_rms));
   }
 
-  const CosT* cos = static_cast<const CosT*>(p.cos_sin_cache) + p.positions[token] * D;
-  const CosT* sin = cos + D / 2;
   T* dst = is_query ? static_cast<T*>(p.q_out) + (static_cast<int64_t>(token) * p.num_heads + head) * D
                     : static_cast<T*>(p.key_cache) + (slot * p.num_kv_heads + head) * D;
 #pragma unroll
   for (int e = 0; e < E / 2; ++e) {
     const int j = lane + 32 * e;  // < D / 2
-    const float c = round_to<T>(to_float(cos[j])), s = round_to<T>(to_float(sin[j]));
+    const float c = cos_j[e], s = sin_j[e];
     const float x1 = x[e], x2 = x[e + E / 2];
     dst[j] = from_float<T>(x1 * c - x2 * s);
     dst[j + D / 2] = from_float<T>(x2 * c + x1 * s);

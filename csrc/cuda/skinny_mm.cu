@@ -87,8 +87,6 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
   const bool active = n < p.n_cols;  // (no early return: the norm's block syncs need every thread)
   const T* row = static_cast<const T*>(p.w) + static_cast<int64_t>(active ? n : 0) * p.w_stride;
   const int chunks = p.k / kVec;  // 16-byte chunks of one row
-  wait_for_prior_kernels();  // PDL (launch.cuh): before any read of earlier kernels' outputs
-  allow_dependent_kernels();
 
   uint4 wv[kLoads];
   const auto load_step = [&](int base) {
@@ -98,7 +96,11 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
       wv[i] = active && c < chunks ? load_weight(row + c * kVec) : make_uint4(0, 0, 0, 0);
     }
   };
-  load_step(lane);  // in flight while the prologue runs
+  // The first weight loads go out before the PDL wait (launch.cuh: a weight is no kernel's
+  // output), overlapping the kernel before; they stay in flight through the prologue.
+  load_step(lane);
+  wait_for_prior_kernels();  // PDL (launch.cuh): before any read of earlier kernels' outputs
+  allow_dependent_kernels();
 
   if constexpr (kPro == Prologue::kSiluMul) {  // x row: gate [k] | up [k] -> T(T(silu(gate)) * up)
 #pragma unroll

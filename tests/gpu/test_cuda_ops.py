@@ -29,6 +29,15 @@ def poison_allocator(shape, dtype):
     torch.full(shape, float("nan"), dtype=dtype, device="cuda")
 
 
+@pytest.fixture(params=["cluster", "arrivals"])
+def decode_merge(request):
+    """Pure-decode split-K merged in a thread block cluster, or by the split that arrives last
+    (torch.ops.compilelm.set_cluster_merge: the path for GPUs before sm_90)."""
+    previous = torch.ops.compilelm.set_cluster_merge(request.param == "cluster")
+    yield request.param
+    torch.ops.compilelm.set_cluster_merge(previous)
+
+
 def assert_close(out, expected):
     elementwise, relative = TOLERANCES[out.dtype]
     torch.testing.assert_close(out, expected, **elementwise)
@@ -89,16 +98,17 @@ def test_single_long_decode(dtype):
     ))
 
 
-def test_short_sequences_in_wide_block_tables():
+@pytest.mark.parametrize("max_query_len", [0, 1])
+def test_short_sequences_in_wide_block_tables(max_query_len, decode_merge):
     # Splits are sized from block_tables.size(1) (the host never reads seq_lens): 8k-wide tables
     # and contexts of a few tokens leave most splits empty, which must contribute nothing.
+    batch = [(1, 3), (1, 17), (1, 1), (2, 9)] if max_query_len == 0 else [(1, 3), (1, 17), (1, 1), (1, 130)]
     query, key_cache, value_cache, cu, seq_lens, block_tables, scale = make_attention_inputs(
-        [(1, 3), (1, 17), (1, 1), (2, 9)], block_size=16, num_heads=8, num_kv_heads=2, head_size=128,
-        dtype=torch.bfloat16, num_pad_rows=2,
+        batch, block_size=16, num_heads=8, num_kv_heads=2, head_size=128, dtype=torch.bfloat16, num_pad_rows=2,
     )
     wide = torch.zeros(block_tables.shape[0], 512, dtype=torch.int32)
     wide[:, : block_tables.shape[1]] = block_tables
-    check_attention((query, key_cache, value_cache, cu, seq_lens, wide, scale))
+    check_attention((query, key_cache, value_cache, cu, seq_lens, wide, scale), max_query_len)
 
 
 @pytest.mark.parametrize("batch", [[(1, n) for n in (700, 33, 1, 2048, 64)] * 13, [(200, 200), (77, 500)]])
@@ -111,10 +121,11 @@ def test_pure_decode_and_pure_prefill_batches(batch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("head_size,group", [(64, 3), (128, 4), (128, 8), (256, 2)])
 @pytest.mark.parametrize("contexts", [(700, 33, 1, 2048, 64) * 3, (16000,), (1, 2)])
-def test_declared_pure_decode(dtype, head_size, group, contexts):
+def test_declared_pure_decode(dtype, head_size, group, contexts, decode_merge):
     # max_query_len=1 (a full decode graph): the decode kernel alone over every row, split-K merged
-    # by the split that finishes last, padding rows (past the last sequence) zeroed, as without
-    # the hint; run twice: the arrival counters must be back at zero after each launch
+    # in the kernel (in a cluster, or by the split that finishes last), padding rows (past the last
+    # sequence) zeroed, as without the hint; run twice: the arrival counters must be back at zero
+    # after each launch
     inputs = make_attention_inputs(
         [(1, n) for n in contexts], block_size=16, num_heads=2 * group, num_kv_heads=2, head_size=head_size,
         dtype=dtype, num_pad_rows=5,
@@ -135,9 +146,10 @@ def test_head_major_cache_view(max_query_len, dtype):
     assert torch.equal(check_attention(inputs, max_query_len, cache_layout=head_major), contiguous)
 
 
-def test_decode_graph_replays_merge_in_kernel():
-    # A captured pure-decode call replayed with new contexts: each replay's last splits merge and
-    # reset their arrival counters (a counter left non-zero would skip or repeat a merge)
+def test_decode_graph_replays_merge_in_kernel(decode_merge):
+    # A captured pure-decode call replayed with new contexts: each replay merges its splits in the
+    # kernel (the last splits to arrive reset their arrival counters: a counter left non-zero
+    # would skip or repeat a merge)
     query, key_cache, value_cache, cu, seq_lens, tables, scale = cuda(make_attention_inputs(
         [(1, 4000)] * 6, block_size=16, num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
     ))
