@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import traceback
 
 import torch
@@ -15,6 +16,7 @@ import torch
 from compilelm.config import EngineConfig
 from compilelm.distributed.parallel_state import destroy_distributed, init_distributed
 from compilelm.models.loader import build_model, load_model_config, resolve_model
+from compilelm.models.registry import get_model_class
 from compilelm.runtime import memory
 from compilelm.runtime.model_runner import ModelRunner, StepInputs
 
@@ -39,6 +41,9 @@ class Worker:
         self.model_config = load_model_config(self.source, dict(config.model_overrides))
         self.dtype = config.torch_dtype()
         torch.manual_seed(config.seed)
+        if self.device.type == "cuda" and compilation is not None and compilation.level > 0:
+            get_model_class(self.model_config)  # the model's imports first: the thread's are disjoint from here on
+            threading.Thread(target=_prime_compiler, name="compilelm-prime-compiler", daemon=True).start()
         self.model = build_model(self.source, self.model_config, self.dtype, self.device, config.quantization)
         self.model_runner: ModelRunner | None = None
 
@@ -80,6 +85,22 @@ class Worker:
                                  self.config.cache_key_factors(self.model_config))
         compiled.compile()
         return report_data(compiled)
+
+
+def _prime_compiler() -> None:
+    """While the weights load: import the compiler (Dynamo, Inductor, the passes) and compute
+    Triton's source hash, which Inductor's cache keys need even when every piece comes from the
+    compile cache. The hash reads and hashes Triton's files (~0.5 s on the H100 machine), work
+    that releases the GIL, as does most of loading weights. The main thread imports the same
+    modules later (waiting for this import where it is still running) and redoes whatever fails
+    here, raising it there."""
+    try:
+        import compilelm.graphs.compiler  # noqa: F401
+        from torch.utils._triton import triton_hash_with_backend  # functools.cache
+
+        triton_hash_with_backend()
+    except Exception:  # noqa: BLE001 (the main thread's own attempt reports it)
+        logger.debug("priming the compiler failed", exc_info=True)
 
 
 def worker_main(config: EngineConfig, rank: int, init_method: str, conn) -> None:
