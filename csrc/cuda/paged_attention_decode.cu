@@ -48,13 +48,18 @@ __device__ __forceinline__ uint4 load_stream(const void* ptr) {
   return v;
 }
 
-template <typename T, int D, int GP>
+// Rows in flight per row group (kUnroll): 4, or 2 where a program's registers would cap it at 3
+// blocks per SM and the launch has waves to fill: with GP >= 8, and with GP = 4 at head_size >= 128
+// outside a cluster (the multi-wave launches). Llama-3.1-8B shapes (GP 4, D 128) on an H100,
+// context 1024: 168 -> 128 registers, batch 64 125.8 -> 101.2 us, batch 256 413 -> 396 us, but
+// batch 1 8.7 -> 9.6 us (one wave: fewer loads in flight per program), so clusters keep 4.
+template <typename T, int D, int GP, bool kCluster>
 struct DecodeTile {
   static constexpr int kVec = 16 / sizeof(T);                     // elements per 16-byte load
   static constexpr int kLanes = D / kVec < 32 ? D / kVec : 32;    // lanes per key row
   static constexpr int kLoads = D / (kVec * kLanes);              // 16-byte loads per lane per row
   static constexpr int kGroups = kWarps * (32 / kLanes);          // row groups per program
-  static constexpr int kUnroll = GP >= 8 ? 2 : 4;                 // rows in flight per row group
+  static constexpr int kUnroll = GP >= 8 || (GP >= 4 && D >= 128 && !kCluster) ? 2 : 4;
   static_assert(D % (kVec * kLanes) == 0 && 32 % kLanes == 0, "unsupported head_size");
 };
 
@@ -99,7 +104,7 @@ __device__ void merge_in_cluster(const AttentionParams& p, int token, int head0,
 template <typename T, int D, int GP, bool kCluster>
 __global__ void __launch_bounds__(kWarps * 32)
     paged_attention_decode_kernel(const AttentionParams p, const SplitParams s) {
-  using Tile = DecodeTile<T, D, GP>;
+  using Tile = DecodeTile<T, D, GP, kCluster>;
   constexpr int kVec = Tile::kVec, kLanes = Tile::kLanes, kLoads = Tile::kLoads;
   constexpr int kGroups = Tile::kGroups, kUnroll = Tile::kUnroll;
   __shared__ float s_acc[kGroups][GP][D];
