@@ -11,10 +11,10 @@
 // of each row is cut into num_splits equal chunks; each split writes its normalized partial
 // output and log2-sum-exp to a workspace; the prefill kernel, launched next, merges them. In
 // the all-rows path (pure decode: full CUDA graphs) the kernel merges them itself:
-//   - on sm_90+, when the launch fits in one wave, a program's splits (at most 8) run as one
-//     thread block cluster: each keeps its partial in shared memory, and after a cluster
-//     barrier the blocks merge the row's (head, element) outputs reading every split's shared
-//     memory (DSMEM): no partials in global memory, no fence, no atomic;
+//   - on sm_90+, in small launches (at most a block per SM, short splits), a program's splits
+//     (at most 8) run as one thread block cluster: each keeps its partial in shared memory, and
+//     after a cluster barrier the blocks merge the row's (head, element) outputs reading every
+//     split's shared memory (DSMEM): no partials in global memory, no fence, no atomic;
 //   - else (or with compilelm::set_cluster_merge(False)) each split counts its arrival in a
 //     per-program counter, and the last one to arrive resets it and merges from the workspace
 //     (a merge kernel only where the counters are unavailable).
@@ -39,6 +39,7 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kProgramCostKeys = 128;  // a program's start-up and merge, in keys streamed
 constexpr int kMaxClusterSplits = 8;   // the portable thread block cluster size
+constexpr int64_t kMaxClusterSplitKeys = 256;  // keys of a split in a cluster, at most (launch)
 
 __device__ __forceinline__ uint4 load_stream(const void* ptr) {
   uint4 v;
@@ -394,12 +395,12 @@ int* arrival_counters(int64_t programs, cudaStream_t stream) {
   return counters[device];
 }
 
-template <typename T, int D, int GP, bool kCluster>
-int64_t resident_programs() {  // on the whole GPU
+template <typename T, int D, int GP>
+int64_t resident_programs() {  // of the split-K (non-cluster) kernel, on the whole GPU
   static const int64_t capacity = [] {
     int per_sm = 0, sms = 0, device = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_sm, paged_attention_decode_kernel<T, D, GP, kCluster>, kWarps * 32, 0));
+        &per_sm, paged_attention_decode_kernel<T, D, GP, false>, kWarps * 32, 0));
     C10_CUDA_CHECK(cudaGetDevice(&device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     return static_cast<int64_t>(std::max(per_sm, 1)) * sms;
@@ -414,20 +415,23 @@ SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_r
   const int chunks = (p.group + GP - 1) / GP;
   const int64_t programs = static_cast<int64_t>(rows) * p.num_kv_heads * chunks;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  // All rows on sm_90+, when the launch is one wave: a program's splits (at most 8) in one cluster,
-  // merged there (no workspace). Over several waves clusters were slower (co-scheduling a
-  // cluster's blocks): Llama-3.1-8B batch 64 x 1024 on an H100, 126 -> 140 us.
+  // All rows on sm_90+, small launches: a program's splits (at most 8) in one cluster, merged there
+  // (no workspace). Only where the launch has at most one block per SM and a split at most
+  // kMaxClusterSplitKeys keys. On an H100 (Llama-3.1-8B heads, bench_attention at 5d391f5 against
+  // 0aca49d) clusters won at batch 1 up to 2048 keys (16.4 -> 14.5 us; SmolLM2-135M at 1024 keys
+  // 6.6 -> 5.4 us) and lost where a launch filled the SMs (batch 16 x 2048: 384 blocks, 64 -> 86
+  // us; batch 64: 126 -> 140 us) or where 8 splits were too few (batch 1 x 8192: 30 -> 45 us).
   if (all_rows && cluster_merge_enabled() && at::cuda::getCurrentDeviceProperties()->major >= 9) {
-    const int64_t capacity = resident_programs<T, D, GP, true>();
-    const int splits = choose_num_splits(programs, capacity, max_context, kMaxClusterSplits);
-    if (splits > 1 && programs * splits <= capacity) {
+    const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const int splits = choose_num_splits(programs, sms, max_context, kMaxClusterSplits);
+    if (splits > 1 && programs * splits <= sms && max_context <= splits * kMaxClusterSplitKeys) {
       launch_kernel_in_clusters(paged_attention_decode_kernel<T, D, GP, true>,
                                 dim3(static_cast<unsigned>(programs), splits), dim3(1, splits, 1), kWarps * 32, 0,
                                 stream, p, SplitParams{all_rows, splits, nullptr, nullptr, nullptr});
       return SplitParams{all_rows, 1, nullptr, nullptr, nullptr};  // merged: nothing left to the caller
     }
   }
-  const int splits = choose_num_splits(programs, resident_programs<T, D, GP, false>(), max_context, kMaxSplits);
+  const int splits = choose_num_splits(programs, resident_programs<T, D, GP>(), max_context, kMaxSplits);
   SplitParams s{all_rows, splits, nullptr, nullptr, nullptr};
   if (splits > 1) {  // workspace from torch's caching allocator: stream-ordered, capture-safe
     const int64_t partials = static_cast<int64_t>(rows) * p.num_heads * splits;

@@ -120,7 +120,9 @@ def test_pure_decode_and_pure_prefill_batches(batch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("head_size,group", [(64, 3), (128, 4), (128, 8), (256, 2)])
-@pytest.mark.parametrize("contexts", [(700, 33, 1, 2048, 64) * 3, (16000,), (1, 2)])
+# (300, 1, 1024, 77): few programs, short splits: the cluster merge's launches (the others split
+# over global memory, or not at all)
+@pytest.mark.parametrize("contexts", [(700, 33, 1, 2048, 64) * 3, (16000,), (1, 2), (300, 1, 1024, 77)])
 def test_declared_pure_decode(dtype, head_size, group, contexts, decode_merge):
     # max_query_len=1 (a full decode graph): the decode kernel alone over every row, split-K merged
     # in the kernel (in a cluster, or by the split that finishes last), padding rows (past the last
@@ -146,12 +148,13 @@ def test_head_major_cache_view(max_query_len, dtype):
     assert torch.equal(check_attention(inputs, max_query_len, cache_layout=head_major), contiguous)
 
 
-def test_decode_graph_replays_merge_in_kernel(decode_merge):
+@pytest.mark.parametrize("rows,context", [(6, 4000), (2, 1000)])  # split over global memory; in clusters
+def test_decode_graph_replays_merge_in_kernel(rows, context, decode_merge):
     # A captured pure-decode call replayed with new contexts: each replay merges its splits in the
     # kernel (the last splits to arrive reset their arrival counters: a counter left non-zero
     # would skip or repeat a merge)
     query, key_cache, value_cache, cu, seq_lens, tables, scale = cuda(make_attention_inputs(
-        [(1, 4000)] * 6, block_size=16, num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
+        [(1, context)] * rows, block_size=16, num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
     ))
     paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, max_query_len=1)  # warm-up
     graph = torch.cuda.CUDAGraph()
@@ -159,7 +162,7 @@ def test_decode_graph_replays_merge_in_kernel(decode_merge):
         out = paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, max_query_len=1)
     gen = torch.Generator().manual_seed(1)
     for _ in range(4):
-        seq_lens.copy_(torch.randint(1, 4001, (6,), generator=gen, dtype=torch.int32))
+        seq_lens.copy_(torch.randint(1, context + 1, (rows,), generator=gen, dtype=torch.int32))
         query.copy_(torch.randn(query.shape, generator=gen).to(query.dtype))
         graph.replay()
         torch.cuda.synchronize()
