@@ -3,6 +3,11 @@
 The op writes this step's K/V into the paged cache and attends over it, reading the cache tensors
 and the per-step metadata from the forward context. Dynamo sees a single custom op, which is where
 the compiler splits the graph into pieces.
+
+The ops are registered with torch.library's low-level API (schema, one kernel for every device,
+a fake), not `torch.library.custom_op`: they run eagerly between the piece graphs, once per layer
+per step, and custom_op wraps every call in Python checks (device dispatch, output aliasing):
+4.7 -> 2.3 us a call on CPU torch 2.13 (30 layers: ~70 us of every piecewise step's host time).
 """
 
 from __future__ import annotations
@@ -14,7 +19,25 @@ from compilelm import ops
 from compilelm.forward_context import get_forward_context
 
 
-@torch.library.custom_op("compilelm::unified_attention", mutates_args=())
+_lib = torch.library.Library("compilelm", "FRAGMENT")  # the namespace is csrc/ops.cpp's
+
+
+def _define(schema: str):
+    """Registers the decorated function as compilelm::<schema>, functional (no argument mutated:
+    the KV cache is written through the forward context), the same kernel on every device, with
+    a fake that returns empty_like(q)."""
+    name = schema.split("(", 1)[0]
+
+    def register(fn):
+        _lib.define(schema)
+        _lib.impl(name, fn, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"compilelm::{name}", lambda q, *args: torch.empty_like(q), lib=_lib)
+        return fn
+
+    return register
+
+
+@_define("unified_attention(Tensor q, Tensor k, Tensor v, str layer_name) -> Tensor")
 def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_name: str) -> torch.Tensor:
     # q: [num_tokens, num_heads * head_dim]; k, v: [num_tokens, num_kv_heads * head_dim]
     ctx = get_forward_context()
@@ -28,11 +51,6 @@ def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_n
     out = ops.paged_attention(q.view(num_tokens, -1, head_dim), key_cache, value_cache,
                               meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, head_dim ** -0.5, meta.max_query_len)
     return out.view(num_tokens, -1)
-
-
-@unified_attention.register_fake
-def _(q, k, v, layer_name):
-    return torch.empty_like(q)
 
 
 # RoPE (and Qwen3's QK-norm) inside attention: what `RopeAttentionFusionPass` rewrites
@@ -54,7 +72,8 @@ def _rope_and_attention(q, k, v, q_norm_weight, k_norm_weight, eps, positions, c
     return out.view(n, -1)
 
 
-@torch.library.custom_op("compilelm::unified_attention_rope", mutates_args=())
+@_define("unified_attention_rope(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin_cache, "
+         "SymInt head_dim, str layer_name) -> Tensor")
 def unified_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                            cos_sin_cache: torch.Tensor, head_dim: int, layer_name: str) -> torch.Tensor:
     # q: [num_tokens, num_heads * head_dim] (not yet rotated); positions: [num_tokens]
@@ -62,23 +81,14 @@ def unified_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     return _rope_and_attention(q, k, v, None, None, 0.0, positions, cos_sin_cache, head_dim, layer_name)
 
 
-@unified_attention_rope.register_fake
-def _(q, k, v, positions, cos_sin_cache, head_dim, layer_name):
-    return torch.empty_like(q)
-
-
-@torch.library.custom_op("compilelm::unified_attention_qknorm_rope", mutates_args=())
+@_define("unified_attention_qknorm_rope(Tensor q, Tensor k, Tensor v, Tensor q_norm_weight, Tensor k_norm_weight, "
+         "float eps, Tensor positions, Tensor cos_sin_cache, SymInt head_dim, str layer_name) -> Tensor")
 def unified_attention_qknorm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_weight: torch.Tensor,
                                   k_norm_weight: torch.Tensor, eps: float, positions: torch.Tensor,
                                   cos_sin_cache: torch.Tensor, head_dim: int, layer_name: str) -> torch.Tensor:
     # Qwen3: per-head RMSNorm of q and k (weights: [head_dim]), then RoPE, then attention.
     return _rope_and_attention(q, k, v, q_norm_weight, k_norm_weight, eps, positions, cos_sin_cache, head_dim,
                                layer_name)
-
-
-@unified_attention_qknorm_rope.register_fake
-def _(q, k, v, q_norm_weight, k_norm_weight, eps, positions, cos_sin_cache, head_dim, layer_name):
-    return torch.empty_like(q)
 
 
 class Attention(nn.Module):
