@@ -63,9 +63,10 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 def decode_tokens(batch: int, context: int, steps: int, step_tokens: int) -> int:
     """max_tokens of the timed requests: enough that none finishes before the measurement ends.
-    Prompts prefill in chunks of `step_tokens`, and a request decodes in every step after its
-    prompt, so the first one is ahead of the last by up to the number of prefill steps."""
-    return steps + 8 + -(-batch * context // step_tokens) + 8
+    Prompts prefill in chunks of what a step's `step_tokens` leaves after the (at most `batch`)
+    decode rows, and a request decodes in every step after its prompt, so the first one is ahead
+    of the last by up to the number of prefill steps."""
+    return steps + 8 + -(-batch * context // max(step_tokens - batch, 1)) + 8
 
 
 def time_ours(engine, batch: int, context: int, steps: int) -> tuple[float, float | None]:

@@ -59,3 +59,33 @@ def test_passes_end_to_end_measures_on_and_off_in_turns(tmp_path, monkeypatch):
     rows = payload["e2e_rows"]
     assert {r["measure"] for r in rows} == {"decode_b1_ms", "prefill_32_ms"} and len(rows) == 4
     assert all(r["rounds"] == 2 and r["on_ms"] > 0 and r["off_ms"] > 0 and r["matches_on"] == 0 for r in rows)
+
+
+def test_decode_timing_keeps_every_request_decoding():
+    """bench_decode.time_ours times steps that decode all `batch` requests: with prompts prefilled
+    in several chunks the first requests run ahead, and max_tokens must cover that spread (at
+    steps + 8, the first requests finished inside the timed window, and the graph then replayed
+    alone read a smaller step's inputs). Checked through the engine's running requests, and
+    against the old max_tokens, which must fail here."""
+    from benchmarks import bench_decode
+    from compilelm import LLM, SamplingParams
+
+    batch, context, steps, chunk = 8, 24, 6, 32  # 8 prompts of 24 tokens: 7+ prefill steps
+    llm = LLM("dummy:smollm2-135m", model_overrides={"num_hidden_layers": 1}, enforce_eager=True,
+              max_model_len=context + bench_decode.decode_tokens(batch, context, steps, chunk),
+              max_num_seqs=batch, max_num_batched_tokens=chunk)
+    engine = llm.engine
+    ms, graph_ms = bench_decode.time_ours(engine, batch, context, steps)
+    assert ms > 0 and graph_ms is None and not engine.has_unfinished_requests()
+
+    # the same warm-up and timed loop with max_tokens = steps + 8: a request stops decoding
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    for p in bench_decode.prompts(batch, context, engine.model_config.vocab_size, seed=1000):  # (no cached prefix)
+        engine.add_request(None, p, params)
+    produced = {}
+    while len(produced) < batch or min(produced.values()) < 3:
+        for out in engine.step():
+            produced[out.request_id] = len(out.outputs[0].token_ids)
+    for _ in range(steps):
+        engine.step()
+    assert engine.scheduler.num_running < batch
