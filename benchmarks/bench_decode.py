@@ -150,15 +150,15 @@ def bench_model(name: str, args, bandwidth: float, rows: list, save) -> None:
     import compilelm.ops  # noqa: F401  (loads the kernels: set_programmatic_launch)
     from compilelm import LLM
 
-    max_batch = max(args.batches)
+    max_batch, step_tokens = max(args.batches), 8192
     base = []
     for pdl in {"on": [True], "off": [False], "both": [False, True]}[args.pdl]:
         # kernels launch (and graphs capture) with programmatic dependent launch or without
         torch.ops.compilelm.set_programmatic_launch(pdl)
         t0 = time.perf_counter()
         llm = LLM(model=name, dtype="bfloat16",
-                  max_model_len=args.context + decode_tokens(max_batch, args.context, args.steps, 8192),
-                  max_num_seqs=max_batch, max_num_batched_tokens=8192,
+                  max_model_len=args.context + decode_tokens(max_batch, args.context, args.steps, step_tokens),
+                  max_num_seqs=max_batch, max_num_batched_tokens=step_tokens,
                   compilation_config={"cache_dir": args.cache_dir} if args.cache_dir else None)
         startup = time.perf_counter() - t0
         engine = llm.engine
