@@ -32,6 +32,10 @@ __global__ void rope_and_cache_kernel(const RopeCacheParams p) {
   const int unit = blockIdx.y * kWarpsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int q_units = p.num_heads, qk_units = p.num_heads + p.num_kv_heads;
+  // The one kernel that lets its dependent start before its own PDL wait (launch.cuh): decode
+  // attention, next, then reads its metadata, block table and older context rows while this
+  // kernel still waits for the QKV projection.
+  allow_dependent_kernels();
   // Before the PDL wait (launch.cuh): the step's slot and position, and this lane's cos/sin
   // (rounded to T, as apply_rope's `.to(x.dtype)`): none is an earlier kernel's output.
   const int64_t slot = p.slot_mapping[token];
@@ -46,7 +50,6 @@ __global__ void rope_and_cache_kernel(const RopeCacheParams p) {
     }
   }
   wait_for_prior_kernels();  // PDL (launch.cuh): before any read of earlier kernels' outputs
-  allow_dependent_kernels();
   if (unit >= qk_units + p.num_kv_heads) return;
 
   if (unit >= qk_units) {  // value head: copy
