@@ -90,6 +90,10 @@ TORCH_LIBRARY(compilelm, m) {
   // x: [M, 2K] (gate | up) -> (silu(gate) * up) @ weight.T with SiluAndMul's roundings; weight: [N, K].
   m.def("silu_mul_skinny_mm(Tensor x, Tensor weight) -> Tensor");
 
+  // x: [rows, vocab] (float32, bfloat16 or float16) -> int64 [rows]: the index of each row's first
+  // maximum, NaN counting as the maximum (torch.argmax(x, -1)). One kernel on CUDA (greedy sampling).
+  m.def("argmax_rows(Tensor x) -> Tensor");
+
   // One-shot all-reduce over peer memory, CUDA only (csrc/cuda/allreduce_kernels.cu); called by
   // compilelm/distributed/custom_all_reduce.py, which owns the buffers: buffer_ptrs = every rank's
   // peer-visible buffer (flags, then buffer_bytes for the rows), rank = this rank's index in it.

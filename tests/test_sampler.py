@@ -10,8 +10,8 @@ from compilelm.runtime.sampler import (
     apply_penalties,
     apply_top_k_top_p_min_p,
     gather_logprobs,
+    argmax_rows,
     sample,
-    two_stage_argmax,
 )
 from compilelm.sampling_params import SamplingParams
 
@@ -31,22 +31,19 @@ def test_greedy_is_argmax():
     assert out.logprobs == [None] * 6
 
 
-@pytest.mark.parametrize("vocab, chunk", [(49152, 256), (128256, 256), (151936, 1187)])
-def test_two_stage_argmax_is_argmax(vocab, chunk):
-    """The CUDA greedy path (max over pieces, then over the pieces' maxima) picks what argmax
-    picks: random rows, ties (the first index wins, also across pieces), a NaN (it counts as
-    the maximum, as in torch.argmax), an all -inf row."""
-    g = torch.Generator().manual_seed(vocab)
-    x = torch.randn(6, vocab, generator=g)
-    x[1, 7] = x[1, chunk + 3] = x[1, -1] = 50.0  # a tie across pieces
-    x[2, chunk - 1] = x[2, chunk - 2] = 60.0  # a tie inside one piece
-    x[3, vocab // 2] = float("nan")
-    x[4] = float("-inf")
-    x[5, -1] = 99.0  # the last column
-    want = x.argmax(-1)
-    got = two_stage_argmax(x, chunk)
-    assert got.dtype == torch.int64 and got.tolist() == want.tolist()
-    assert got.tolist()[1:4] == [7, chunk - 2, vocab // 2]
+def test_argmax_rows_op_on_cpu():
+    """The sampler's greedy path and the argmax_rows op (its CPU kernel, its fake for tracing)
+    pick what argmax picks: ties (the first index wins), a NaN (it counts as the maximum), an
+    all -inf row. The CUDA kernel has the same test in tests/gpu/test_sampler_gpu.py."""
+    from compilelm.ops import argmax_rows as op
+
+    x = torch.randn(4, 5000, generator=torch.Generator().manual_seed(0))
+    x[0, 7] = x[0, 4000] = 50.0
+    x[1, 2500] = float("nan")
+    x[2] = float("-inf")
+    assert argmax_rows(x).tolist() == op(x).tolist() == x.argmax(-1).tolist()
+    assert op(x).tolist()[:3] == [7, 2500, 0]
+    torch.library.opcheck(torch.ops.compilelm.argmax_rows.default, (x,))
 
 
 def test_sampler_leaves_logits_untouched():

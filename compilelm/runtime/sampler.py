@@ -11,7 +11,6 @@ generator, so its tokens do not depend on what else is in the batch.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -130,26 +129,14 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(-1) (the first maximum; NaN counts as the maximum). On CUDA a few long rows go in
-    two stages: torch's argmax spreads one row over few blocks (an H100 took 28 us for one row of
-    Llama-3's 128,256 logits), while a max over `chunk`-wide pieces, then the argmax of the
-    pieces' maxima, keeps the whole GPU busy."""
-    n, vocab = x.shape
-    chunk = _argmax_chunk(vocab) if x.is_cuda and n <= 8 else None
-    return x.argmax(dim=-1) if chunk is None else two_stage_argmax(x, chunk)
+    """x.argmax(-1) (the first maximum; NaN counts as the maximum). On CUDA one kernel
+    (compilelm/ops/sampling.py) where torch's argmax spreads a row over few blocks (an H100 took
+    28 us for one row of Llama-3's 128,256 logits) and a max-then-argmax took five kernels."""
+    if not x.is_cuda:
+        return x.argmax(dim=-1)
+    from compilelm.ops import argmax_rows as fused_argmax_rows
 
-
-def two_stage_argmax(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    # x: [n, vocab], vocab % chunk == 0 -> int64 [n]
-    values, within = x.reshape(x.shape[0], -1, chunk).max(dim=-1)  # [n, vocab // chunk]: first max of each piece
-    piece = values.argmax(dim=-1, keepdim=True)  # the first piece holding the row's maximum
-    return (piece * chunk + within.gather(1, piece)).squeeze(1)
-
-
-@functools.lru_cache(maxsize=None)  # per vocabulary size: the search is ~1000 modulos for some sizes
-def _argmax_chunk(vocab: int) -> int | None:
-    """The narrowest piece of 256..2048 columns that divides the row (None: there is none)."""
-    return next((c for c in range(256, 2049) if vocab % c == 0 and vocab // c >= 16), None)
+    return fused_argmax_rows(x)
 
 
 def exponential_noise(

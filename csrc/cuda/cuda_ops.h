@@ -64,6 +64,9 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_skinny_mm(const at::Tensor
                                                                 const at::Tensor& weight);
 at::Tensor silu_mul_skinny_mm(const at::Tensor& x, const at::Tensor& weight);
 
+// argmax_kernels.cu
+at::Tensor argmax_rows(const at::Tensor& x);
+
 // allreduce_kernels.cu
 at::Tensor custom_all_reduce(const at::Tensor& x, at::IntArrayRef buffer_ptrs, int64_t rank, int64_t buffer_bytes);
 std::tuple<at::Tensor, at::Tensor> custom_all_reduce_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,

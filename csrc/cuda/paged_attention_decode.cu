@@ -28,8 +28,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <mutex>
 
+#include "cuda/arrival_counters.h"
 #include "cuda/attention_common.cuh"
 #include "cuda/launch.cuh"
 
@@ -370,31 +370,6 @@ int choose_num_splits(int64_t programs, int64_t capacity, int64_t max_context, i
   return best;
 }
 
-// Per-device arrival counters of the all-rows split-K (SplitParams::arrivals), all zero between
-// launches: every launch leaves them as it found them. Allocated once, outside stream capture
-// (the graphs' warm-up run comes first); null when capturing before that, or when a launch has
-// more programs than counters: then a merge kernel runs.
-constexpr int64_t kArrivalCounters = 1 << 16;
-
-int* arrival_counters(int64_t programs, cudaStream_t stream) {
-  static std::mutex mutex;
-  static int* counters[64] = {};
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  if (programs > kArrivalCounters || device >= 64) return nullptr;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (counters[device] == nullptr) {
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
-    if (capturing != cudaStreamCaptureStatusNone) return nullptr;
-    int* buffer = nullptr;  // kept for the process's life, like a cuBLAS workspace
-    C10_CUDA_CHECK(cudaMalloc(&buffer, kArrivalCounters * sizeof(int)));
-    C10_CUDA_CHECK(cudaMemset(buffer, 0, kArrivalCounters * sizeof(int)));
-    counters[device] = buffer;
-  }
-  return counters[device];
-}
-
 template <typename T, int D, int GP>
 int64_t resident_programs() {  // of the split-K (non-cluster) kernel, on the whole GPU
   static const int64_t capacity = [] {
@@ -438,7 +413,7 @@ SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_r
     workspace = at::empty({partials * (p.head_size + 1)}, query.options().dtype(at::kFloat));
     s.partial_out = workspace.mutable_data_ptr<float>();
     s.partial_lse = s.partial_out + partials * p.head_size;
-    if (all_rows) s.arrivals = arrival_counters(programs, stream);
+    if (all_rows) s.arrivals = arrival_counters(CounterUser::kAttention, programs, stream);  // null: merge kernel
   }
   launch_kernel(paged_attention_decode_kernel<T, D, GP, false>, dim3(static_cast<unsigned>(programs), splits),
                 kWarps * 32, 0, stream, p, s);
