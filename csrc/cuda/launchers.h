@@ -93,6 +93,7 @@ struct RopeCacheParams {
   int64_t q_stride, k_stride, v_stride, num_slots;
   int num_tokens, num_heads, num_kv_heads, head_size;
   float eps;
+  bool early_dependents;  // set by the launcher (rope_cache_kernels.cu)
 };
 
 void launch_rope_and_cache(const RopeCacheParams& p, at::ScalarType dtype, bool cos_sin_fp32);
