@@ -58,7 +58,11 @@ __device__ __forceinline__ int active_splits(int num_keys, int num_splits) {
 }
 
 // The query row served by decode-kernel row x (a sequence, or with all_rows a query row):
-// false if there is none (not a decode row, or a padding row).
+// false if there is none (not a decode row, or a padding row). All rows: where row x is sequence
+// x's only token (every row of a pure-decode batch but the padding) this is one round of loads
+// before the block table's; the search over cu_seqlens_q took two more at batch 1 and ~log2(rows)
+// more above (before the PDL wait, which SmolLM2-135M's batch-1 attention reached only after
+// ~1.8 us of these loads on an H100).
 __device__ __forceinline__ bool locate_row(const AttentionParams& p, bool all_rows, int x, int& token, int& seq,
                                            int& num_keys) {
   if (!all_rows) {
@@ -69,6 +73,14 @@ __device__ __forceinline__ bool locate_row(const AttentionParams& p, bool all_ro
     return true;
   }
   token = x;
+  if (x < p.num_seqs) {  // a pure-decode batch: row x is sequence x's one token (one round of loads)
+    const int start = p.cu_seqlens_q[x], next = p.cu_seqlens_q[x + 1], seq_len = p.seq_lens[x];
+    if (start == x && next == x + 1) {
+      seq = x;
+      num_keys = seq_len;
+      return true;
+    }
+  }
   if (token >= p.cu_seqlens_q[p.num_seqs]) return false;
   seq = find_seq(p.cu_seqlens_q, p.num_seqs, token);
   const int q_len = p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq];
