@@ -132,7 +132,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1) (the first maximum; NaN counts as the maximum). On CUDA one kernel
     (compilelm/ops/sampling.py) where torch's argmax spreads a row over few blocks (an H100 took
     28 us for one row of Llama-3's 128,256 logits) and a max-then-argmax took five kernels."""
-    if not x.is_cuda:
+    if not x.is_cuda or x.shape[0] > 65535 or x.stride(-1) != 1:  # the kernel's grid and layout
         return x.argmax(dim=-1)
     from compilelm.ops import argmax_rows as fused_argmax_rows
 
