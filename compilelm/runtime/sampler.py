@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from compilelm.ops import argmax_rows as fused_argmax_rows
+
 if TYPE_CHECKING:
     from compilelm.runtime.request import Request
 
@@ -134,8 +136,6 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     28 us for one row of Llama-3's 128,256 logits) and a max-then-argmax took five kernels."""
     if not x.is_cuda or x.shape[0] > 65535 or x.stride(-1) != 1:  # the kernel's grid and layout
         return x.argmax(dim=-1)
-    from compilelm.ops import argmax_rows as fused_argmax_rows
-
     return fused_argmax_rows(x)
 
 
