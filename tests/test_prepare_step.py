@@ -74,7 +74,7 @@ def test_prepare_step_matches_reference(seed):
     sched, last_sampled = random_schedule(seed)
     runner = types.SimpleNamespace(block_size=BLOCK, dispatcher=CudaGraphDispatcher((1, 2, 4, 8), (8, 16)),
                                    last_sampled=(None, last_sampled))
-    runner._pending_source = lambda req, position: ModelRunner._pending_source(runner, req, position)
+    runner._pending_source = ModelRunner._pending_source
     runner._num_prompt_logprob_rows = ModelRunner._num_prompt_logprob_rows
     step = ModelRunner.prepare_step(runner, sched)
     want, b = reference(sched, last_sampled), step.batch

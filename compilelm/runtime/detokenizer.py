@@ -5,11 +5,13 @@ multi-byte characters (an emoji is often 2-4 byte-level tokens) and tokenizers t
 left context (SentencePiece's leading space). So each step decodes a small window of ids twice:
 the part whose text was already emitted (the prefix) and the whole window; the new text is the
 difference. While the window's text ends in U+FFFD (an unfinished UTF-8 character) nothing is
-emitted and the window grows until the character is complete.
+emitted and the window grows until the character is complete. In steady decoding the prefix is the
+single id emitted last; the text of single ids is cached per tokenizer and decode options.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 from compilelm.outputs import Logprob
@@ -20,6 +22,8 @@ if TYPE_CHECKING:
 # Prompt tokens the first window starts with, so the first output token has left context.
 _INITIAL_PREFIX_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
+# tokenizer -> (skip_special_tokens, spaces_between_special_tokens) -> {id: text of that id alone}
+_SINGLE_ID_TEXT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class IncrementalDetokenizer:
@@ -41,6 +45,12 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._window)
         self._output_text = ""
         self._streamed_len = 0  # chars handed out by get_next_output_text
+        # id -> decode([id]), shared by the detokenizers of one tokenizer and set of options
+        try:
+            per_options = _SINGLE_ID_TEXT.setdefault(tokenizer, {})
+        except TypeError:  # not weak-referenceable: a cache of its own
+            per_options = {}
+        self._single = per_options.setdefault((skip_special_tokens, spaces_between_special_tokens), {})
 
     @property
     def output_text(self) -> str:
@@ -51,7 +61,12 @@ class IncrementalDetokenizer:
         delta = []
         for token_id in new_token_ids:
             self._window.append(token_id)
-            prefix_text = self._decode(self._window[: self._read_offset])
+            if self._read_offset == 1:
+                prefix_text = self._single.get(self._window[0])
+                if prefix_text is None:
+                    prefix_text = self._single[self._window[0]] = self._decode(self._window[:1])
+            else:
+                prefix_text = self._decode(self._window[: self._read_offset])
             full_text = self._decode(self._window)
             if len(full_text) > len(prefix_text) and not full_text.endswith(_REPLACEMENT_CHAR):
                 delta.append(full_text[len(prefix_text) :])

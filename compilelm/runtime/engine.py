@@ -243,6 +243,8 @@ class LLMEngine:
                 for pos, lists in entries:
                     child.prompt_logprobs[pos] = detokenize_logprobs(self.tokenizer, lists)
         for sr in sched_out.scheduled:  # a prompt counts once, when its request first runs
+            if sr.request.output_token_ids:  # it ran before
+                continue
             parent = self._children.get(sr.request.request_id, (None,))[0]
             if parent is not None and not parent.prompt_counted:
                 parent.prompt_counted = True
@@ -289,16 +291,16 @@ class LLMEngine:
                 req.stop_reason = stop_str
 
     def _make_output(self, parent: _Parent) -> RequestOutput:
-        outs = []
+        outs, finished = [], True
         for c in parent.children:
             r = c.request
-            text = c.detok.output_text
+            done = r.is_finished
+            finished = finished and done
             outs.append(CompletionOutput(
-                index=c.index, text=text, token_ids=list(r.output_token_ids),
+                index=c.index, text=c.detok.output_text, token_ids=list(r.output_token_ids),
                 cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
-                logprobs=c.logprobs, finish_reason=r.finish_reason if r.is_finished else None,
+                logprobs=c.logprobs, finish_reason=r.finish_reason if done else None,
                 stop_reason=r.stop_reason))
-        finished = parent.finished
         if finished:
             self._parents.pop(parent.request_id, None)
             for c in parent.children:

@@ -31,6 +31,7 @@ class KVCacheManager:
         self.enable_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_block_ids: dict[str, list[int]] = {}  # the same tables as ids, grown in step
         # How many of a request's leading blocks are already registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
@@ -69,20 +70,23 @@ class KVCacheManager:
         """Make room for `num_new_tokens` after the request's computed tokens (plus the prefix
         hit `new_computed_blocks`, first schedule only). Returns the newly allocated blocks
         (maybe empty), or None without touching anything when the pool is too small."""
-        req_blocks = self.req_to_blocks.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_total = num_computed + num_new_tokens
-        num_required = -(-num_total // self.block_size)
-        num_new_blocks = max(num_required - len(req_blocks) - len(new_computed_blocks), 0)
-        # Hits that sit in the free queue stop being free once touched.
-        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_free_hits:
-            return None
-
-        self.block_pool.touch(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        req_blocks = req_blocks + list(new_computed_blocks) + new_blocks
-        self.req_to_blocks[request.request_id] = req_blocks
+        rid = request.request_id
+        req_blocks = self.req_to_blocks.get(rid, [])
+        num_total = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
+        num_new_blocks = max(-(-num_total // self.block_size) - len(req_blocks) - len(new_computed_blocks), 0)
+        new_blocks = []
+        if new_computed_blocks or num_new_blocks:  # (most decode steps fit in the blocks they have)
+            # Hits that sit in the free queue stop being free once touched.
+            num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+            if num_new_blocks > self.block_pool.get_num_free_blocks() - num_free_hits:
+                return None
+            self.block_pool.touch(new_computed_blocks)  # before taking new blocks from the free queue
+            new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+            added = [*new_computed_blocks, *new_blocks]
+            if rid not in self.req_to_blocks:
+                self.req_to_blocks[rid], self.req_to_block_ids[rid] = req_blocks, []
+            req_blocks.extend(added)  # in place: a long table is not copied every step
+            self.req_to_block_ids[rid].extend(b.block_id for b in added)
         if self.enable_caching:
             self._cache_full_blocks(request, req_blocks, min(num_total, request.num_tokens))
         return new_blocks
@@ -91,11 +95,13 @@ class KVCacheManager:
         """Release a finished or preempted request's blocks, tail first so that its head
         blocks, the ones other requests are likeliest to share, stay cached longest."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.req_to_block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+        """A copy of the request's block table (ids); the manager's own list grows in place."""
+        return list(self.req_to_block_ids.get(request_id, ()))
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

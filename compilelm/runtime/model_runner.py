@@ -163,18 +163,20 @@ class ModelRunner:
         np.cumsum(lens, out=cu[1:])
         block_tables = np.zeros((num_reqs, max(len(sr.block_ids) for sr in scheduled)), np.int32)  # pad: null block
         ids, pending_rows, pending_src, prompt_rows = [], [], [], []
+        last_rows = None if self.last_sampled is None else self.last_sampled[1]
         for i, sr in enumerate(scheduled):
-            start, n = sr.num_computed_tokens, sr.num_new_tokens
-            known = sr.request.all_token_ids[start:start + n]
+            req, start, n = sr.request, sr.num_computed_tokens, sr.num_new_tokens
+            known = req.all_token_ids[start:start + n]
             ids += known
             if len(known) < n:  # the last row decodes the token still on the device
                 ids.append(0)
-                pending_rows.append(cu[i + 1] - 1)
-                pending_src.append(self._pending_source(sr.request, start + n - 1))
+                pending_rows.append(i)  # (the request's index; its last row below)
+                pending_src.append(self._pending_source(req, start + n - 1, last_rows))
             block_tables[i, :len(sr.block_ids)] = sr.block_ids
-            num_prompt_rows = self._num_prompt_logprob_rows(sr)
-            if num_prompt_rows:
-                prompt_rows.append(cu[i] + np.arange(num_prompt_rows, dtype=np.int64))
+            if req.sampling_params.prompt_logprobs is not None:
+                num_prompt_rows = self._num_prompt_logprob_rows(sr)
+                if num_prompt_rows:
+                    prompt_rows.append(cu[i] + np.arange(num_prompt_rows, dtype=np.int64))
         # token t belongs to request req[t] and sits at position starts[req] + t - cu[req]
         req = np.repeat(np.arange(num_reqs), lens)
         positions = np.arange(cu[-1], dtype=np.int64) - cu[req] + starts[req]
@@ -187,13 +189,15 @@ class ModelRunner:
         graph_mode, graph_size = self.dispatcher.dispatch(len(batch.input_ids), num_reqs)
         step = StepInputs(batch, graph_mode, graph_size, len(sample_idx))
         if pending_rows:
-            step.pending_rows = np.asarray(pending_rows, dtype=np.int64)
+            step.pending_rows = cu[1:][pending_rows] - 1
             step.pending_src = np.asarray(pending_src, dtype=np.int64)
         return step
 
-    def _pending_source(self, request, position: int) -> int:
-        """The row of `request`'s pending token (at `position`) in the last async step's output."""
-        row = None if self.last_sampled is None else self.last_sampled[1].get(request.request_id)
+    @staticmethod
+    def _pending_source(request, position: int, last_rows: dict[str, int] | None) -> int:
+        """The row of `request`'s pending token (at `position`) in the last async step's output
+        (`last_rows`: request id -> row)."""
+        row = None if last_rows is None else last_rows.get(request.request_id)
         if position != request.num_tokens or request.num_output_placeholders < 1 or row is None:
             raise RuntimeError(f"request {request.request_id!r}: token {position} is neither known nor "
                                "pending from the previous step")

@@ -26,6 +26,8 @@ class RequestStatus(enum.IntEnum):
         return status > RequestStatus.PREEMPTED
 
 
+_PREEMPTED = RequestStatus.PREEMPTED
+
 # OpenAI-style finish reasons.
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -63,6 +65,11 @@ class Request:
         # Chained hashes of the full blocks of all_token_ids, extended by the KV-cache manager.
         self.block_hashes: list[bytes] = []
 
+        # greedy with nothing that reads or edits the logits row: the sampler's argmax-only path
+        self.plain_greedy = bool(sampling_params.is_greedy and sampling_params.logprobs is None
+                                 and not sampling_params.has_penalties and not sampling_params.min_tokens
+                                 and not sampling_params.logits_processors)
+
         seed = sampling_params.seed
         self.generator: torch.Generator | None = None
         if seed is not None:
@@ -83,7 +90,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return RequestStatus.is_finished(self.status)
+        return self.status > _PREEMPTED
 
     @property
     def finish_reason(self) -> str | None:
