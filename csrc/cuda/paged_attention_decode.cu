@@ -12,7 +12,7 @@
 // output and log2-sum-exp to a workspace; the prefill kernel, launched next, merges them. In
 // the all-rows path (pure decode: full CUDA graphs) the kernel merges them itself:
 //   - on sm_90+, in small launches (at most a block per SM, short splits), a program's splits
-//     (at most 8) run as one thread block cluster: each keeps its partial in shared memory, and
+//     (at most 16) run as one thread block cluster: each keeps its partial in shared memory, and
 //     after a cluster barrier the blocks merge the row's (head, element) outputs reading every
 //     split's shared memory (DSMEM): no partials in global memory, no fence, no atomic;
 //   - else (or with compilelm::set_cluster_merge(False)) each split counts its arrival in a
@@ -38,7 +38,8 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kProgramCostKeys = 128;  // a program's start-up and merge, in keys streamed
-constexpr int kMaxClusterSplits = 8;   // the portable thread block cluster size
+constexpr int kPortableClusterSplits = 8;  // the portable thread block cluster size
+constexpr int kMaxClusterSplits = 16;      // sm_90's non-portable cluster size, where it fits (launch)
 constexpr int64_t kMaxClusterSplitKeys = 256;  // keys of a split in a cluster, at most (launch)
 
 __device__ __forceinline__ uint4 load_stream(const void* ptr) {
@@ -389,6 +390,42 @@ int64_t resident_programs() {  // of the split-K (non-cluster) kernel, on the wh
   return capacity;
 }
 
+// How many 16-block clusters of the cluster kernel the GPU holds at once (0: none, or the
+// non-portable size is refused): a launch uses 16 splits only if all its clusters fit.
+struct ClusterLimits {
+  int resident_clusters_16 = 0;
+};
+
+template <typename T, int D, int GP>
+const ClusterLimits& cluster_limits() {
+  static const ClusterLimits limits = [] {
+    ClusterLimits l;
+    auto kernel = paged_attention_decode_kernel<T, D, GP, true>;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return l;
+    }
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(1, kMaxClusterSplits);
+    config.blockDim = dim3(kWarps * 32);
+    cudaLaunchAttribute attribute;
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = 1;
+    attribute.val.clusterDim.y = kMaxClusterSplits;
+    attribute.val.clusterDim.z = 1;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+      (void)cudaGetLastError();
+      clusters = 0;
+    }
+    l.resident_clusters_16 = clusters;
+    return l;
+  }();
+  return limits;
+}
+
 template <typename T, int D, int GP>
 SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_rows, int64_t max_context,
                    at::Tensor& workspace) {
@@ -396,15 +433,19 @@ SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_r
   const int chunks = (p.group + GP - 1) / GP;
   const int64_t programs = static_cast<int64_t>(rows) * p.num_kv_heads * chunks;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  // All rows on sm_90+, small launches: a program's splits (at most 8) in one cluster, merged there
-  // (no workspace). Only where the launch has at most one block per SM and a split at most
-  // kMaxClusterSplitKeys keys. On an H100 (Llama-3.1-8B heads, bench_attention at 5d391f5 against
-  // 0aca49d) clusters won at batch 1 up to 2048 keys (16.4 -> 14.5 us; SmolLM2-135M at 1024 keys
-  // 6.6 -> 5.4 us) and lost where a launch filled the SMs (batch 16 x 2048: 384 blocks, 64 -> 86
-  // us; batch 64: 126 -> 140 us) or where 8 splits were too few (batch 1 x 8192: 30 -> 45 us).
+  // All rows on sm_90+, small launches: a program's splits (at most 16) in one cluster, merged there
+  // (no workspace). Only where the launch's clusters are all resident at once (at most one block
+  // per SM) and a split has at most kMaxClusterSplitKeys keys. On an H100 (Llama-3.1-8B heads,
+  // bench_attention at 5d391f5 against 0aca49d) 8-block clusters won at batch 1 up to 2048 keys
+  // (16.4 -> 14.5 us; SmolLM2-135M at 1024 keys 6.6 -> 5.4 us) and lost where a launch filled the
+  // SMs (batch 16 x 2048: 384 blocks, 64 -> 86 us; batch 64: 126 -> 140 us) or where 8 splits were
+  // too few (batch 1 x 8192: 30 -> 45 us). 16-block clusters (non-portable) halve a split: at
+  // SmolLM2-135M batch 1 the key loop of two 64-key steps took 3.1 us, one step 1.6 us.
   if (all_rows && cluster_merge_enabled() && at::cuda::getCurrentDeviceProperties()->major >= 9) {
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    const int splits = choose_num_splits(programs, sms, max_context, kMaxClusterSplits);
+    const ClusterLimits& limits = cluster_limits<T, D, GP>();
+    const int max_splits = programs <= limits.resident_clusters_16 ? kMaxClusterSplits : kPortableClusterSplits;
+    const int splits = choose_num_splits(programs, sms, max_context, max_splits);
     if (splits > 1 && programs * splits <= sms && max_context <= splits * kMaxClusterSplitKeys) {
       launch_kernel_in_clusters(paged_attention_decode_kernel<T, D, GP, true>,
                                 dim3(static_cast<unsigned>(programs), splits), dim3(1, splits, 1), kWarps * 32, 0,
