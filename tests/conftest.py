@@ -1,3 +1,4 @@
+import gc
 import os
 
 import pytest
@@ -14,3 +15,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze_gc():
+    """An engine freezes everything alive at its startup (LLMEngine.__init__); after each test
+    the frozen objects go back to the collector, so engines that tests drop can be collected."""
+    yield
+    gc.unfreeze()

@@ -56,20 +56,20 @@ def test_generate_default_model_matches_api():
     assert r.stdout.rstrip("\n") == ref[0].outputs[0].text
 
 
-def test_serve_engine_freezes_startup_objects():
-    """`compilelm serve` builds its engine, then freezes what startup left alive, so that the
-    collections serving triggers no longer walk it; the engine still runs."""
+def test_engine_freezes_startup_objects():
+    """An engine (`compilelm serve`'s, the LLM API's) freezes what startup left alive, so that the
+    collections its steps trigger no longer walk it; the engine still runs."""
     import gc
 
     from compilelm import SamplingParams
-    from compilelm.entrypoints.cli_serve import build_engine
     from compilelm.llm import make_engine_config
+    from compilelm.runtime.engine import LLMEngine
 
     config = make_engine_config("dummy:smollm2-135m", model_overrides={"num_hidden_layers": 1}, max_model_len=64,
                                 enforce_eager=True)
     before = gc.get_freeze_count()
     try:
-        engine = build_engine(config)
+        engine = LLMEngine(config)
         assert gc.get_freeze_count() > before + 1000
         engine.add_request("r", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
         outs = []

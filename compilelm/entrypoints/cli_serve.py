@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 
 from compilelm.entrypoints.engine_args import ArgError, add_engine_args, engine_config_from_args
@@ -48,31 +47,19 @@ def _check_server_args(args: argparse.Namespace) -> None:
             raise ArgError("--api-key: must not be empty")
 
 
-def build_engine(config):
-    """The engine, then everything alive at startup frozen out of the garbage collector's way.
-    Serving makes garbage every step (outputs, stream chunks), and each full collection would
-    walk every module, graph and tensor object loaded at start: on a 256-request decode loop that
-    was a third of the host's time per step (vLLM freezes after startup too)."""
-    from compilelm.runtime.engine import LLMEngine
-
-    engine = LLMEngine(config)
-    gc.collect()
-    gc.freeze()
-    return engine
-
-
 def run(args: argparse.Namespace) -> int:
     from compilelm.entrypoints.openai.api_server import build_app, serve_http
     from compilelm.entrypoints.openai.metrics import ServerMetrics
     from compilelm.entrypoints.openai.serving_engine import ServerState
     from compilelm.models.loader import resolve_model
     from compilelm.runtime.async_engine import AsyncLLMEngine
+    from compilelm.runtime.engine import LLMEngine
 
     _check_server_args(args)
     config = engine_config_from_args(args)
     source = resolve_model(config.model)  # a missing model fails now, before the port is bound
     names = args.served_model_name or [source.name]
-    async_engine = AsyncLLMEngine(lambda: build_engine(config), max_queue_len=args.max_queue_len)
+    async_engine = AsyncLLMEngine(lambda: LLMEngine(config), max_queue_len=args.max_queue_len)
     state = ServerState(async_engine, names)
     state.metrics = async_engine.metrics = ServerMetrics(names[0], lambda: async_engine.stats)
     logger.info("compilelm serve: model=%s served as %s, max_model_len=%s, api_key=%s",
