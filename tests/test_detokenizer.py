@@ -73,6 +73,21 @@ def test_many_tokens_at_once_and_empty_prompt(tokenizer):
     assert detok.add_tokens(ids[:7]) + detok.add_tokens(ids[7:]) == TEXTS[1]
 
 
+@pytest.mark.parametrize("text", TEXTS)
+def test_all_at_once_matches_one_by_one(tokenizer, text):
+    """A finished final-only request detokenizes its whole output in one call (one decode of the
+    window); the text equals the token-by-token deltas', also when a cut ends mid-character."""
+    prompt = tokenizer.encode(prompt_ids(tokenizer), add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    one = IncrementalDetokenizer(tokenizer, prompt)
+    one_deltas = [one.add_tokens([t]) for t in ids]
+    for cut in range(1, len(ids)):
+        many = IncrementalDetokenizer(tokenizer, prompt)
+        first = many.add_tokens(ids[:cut])
+        assert first == "".join(one_deltas[:cut])  # a cut mid-character holds back what one-by-one does
+        assert first + many.add_tokens(ids[cut:]) == many.output_text == one.output_text == text
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_special_tokens(tokenizer, skip):
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")

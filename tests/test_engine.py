@@ -93,7 +93,7 @@ def test_stop_string_truncates_text(llm):
 
 def test_final_only_outputs(llm):
     """FINAL_ONLY (what LLM.generate uses): step() returns a request only once, finished, with
-    the same content as the last of its CUMULATIVE outputs."""
+    the same content as the last of its CUMULATIVE outputs (its text detokenized once, at the end)."""
     from compilelm.sampling_params import RequestOutputKind
 
     eng = llm.engine
@@ -102,7 +102,7 @@ def test_final_only_outputs(llm):
     for kind, name in ((RequestOutputKind.CUMULATIVE, "cumulative"), (RequestOutputKind.FINAL_ONLY, "final")):
         for rid, p in prompts.items():
             eng.add_request(f"{name}-{rid}", p, SamplingParams(n=2, temperature=0.8, seed=1, logprobs=1,
-                                                               max_tokens=6, ignore_eos=True, output_kind=kind))
+                                                               max_tokens=24, ignore_eos=True, output_kind=kind))
         while eng.has_unfinished_requests():
             for out in eng.step():
                 seen[name].setdefault(out.request_id.split("-")[1], []).append(out)

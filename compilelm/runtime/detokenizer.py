@@ -58,6 +58,10 @@ class IncrementalDetokenizer:
 
     def add_tokens(self, new_token_ids: list[int]) -> str:
         """Append generated tokens; return the text they completed (may be empty)."""
+        if len(new_token_ids) > 1:  # many at once (a request detokenized when it finishes)
+            text = self._add_many(new_token_ids)
+            if text is not None:
+                return text
         delta = []
         for token_id in new_token_ids:
             self._window.append(token_id)
@@ -74,6 +78,21 @@ class IncrementalDetokenizer:
                 self._window = self._window[self._read_offset :]
                 self._read_offset = len(self._window)
         text = "".join(delta)
+        self._output_text += text
+        return text
+
+    def _add_many(self, new_token_ids: list[int]) -> str | None:
+        """All of `new_token_ids` in one decode of the window; None (nothing changed) if that text
+        ends in an unfinished character, where the token-by-token path emits what it can."""
+        window = self._window + list(new_token_ids)
+        prefix_text = self._decode(self._window[: self._read_offset])
+        full_text = self._decode(window)
+        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
+            return None
+        text = full_text[len(prefix_text) :]
+        # the last ids are the next window's prefix: left context, like the prompt's tail at first
+        self._window = window[-_INITIAL_PREFIX_TOKENS:]
+        self._read_offset = len(self._window)
         self._output_text += text
         return text
 

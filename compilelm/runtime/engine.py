@@ -267,7 +267,9 @@ class LLMEngine:
             if entry is None:
                 continue
             parent, child = entry
-            self._detokenize(child)
+            # a final-only output without stop strings is detokenized once, when it finishes
+            if parent.output_kind is RequestOutputKind.CUMULATIVE or req.is_finished or req.sampling_params.stop:
+                self._detokenize(child)
             touched[parent.request_id] = parent
         return [self._make_output(p) for p in touched.values()
                 if p.output_kind is RequestOutputKind.CUMULATIVE or p.finished]
