@@ -165,15 +165,15 @@ class ModelRunner:
         ids, pending_rows, pending_src, prompt_rows = [], [], [], []
         last_rows = None if self.last_sampled is None else self.last_sampled[1]
         for i, sr in enumerate(scheduled):
-            req, start, n = sr.request, sr.num_computed_tokens, sr.num_new_tokens
-            known = req.all_token_ids[start:start + n]
+            request, start, n = sr.request, sr.num_computed_tokens, sr.num_new_tokens
+            known = request.all_token_ids[start:start + n]
             ids += known
             if len(known) < n:  # the last row decodes the token still on the device
                 ids.append(0)
                 pending_rows.append(i)  # (the request's index; its last row below)
-                pending_src.append(self._pending_source(req, start + n - 1, last_rows))
+                pending_src.append(self._pending_source(request, start + n - 1, last_rows))
             block_tables[i, :len(sr.block_ids)] = sr.block_ids
-            if req.sampling_params.prompt_logprobs is not None:
+            if request.sampling_params.prompt_logprobs is not None:
                 num_prompt_rows = self._num_prompt_logprob_rows(sr)
                 if num_prompt_rows:
                     prompt_rows.append(cu[i] + np.arange(num_prompt_rows, dtype=np.int64))
