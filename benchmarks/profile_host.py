@@ -1,8 +1,9 @@
 """Host time of decode steps, async scheduling on vs off, on one engine (CUDA).
 
 `batch` requests with random `context`-token prompts decode; for each mode the median wall time
-of `engine.step()` is taken over `--steps` steps, then `--profile-steps` more run under cProfile
-and the functions with the most own time are printed. With async scheduling a step costs
+of `engine.step()` is taken over `--steps` steps; `--profile-steps` more run with each part of the
+step timed (PHASES: schedule, prepare_step, run_step, _sample, _process_step), and as many again
+under cProfile, whose functions with the most own time are printed. With async scheduling a step costs
 max(host, GPU) instead of host + GPU, so the gap between the two medians is the host time hidden
 behind the GPU. (benchmarks/results/profile_host_gpu.log is this script's output before it
 wrote JSON.)
@@ -13,6 +14,7 @@ wrote JSON.)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import os
@@ -42,6 +44,13 @@ def measure(engine, async_scheduling: bool, args) -> dict:
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
+    totals: dict[str, float] = {}
+    with phase_timers(engine, totals):
+        t0 = time.perf_counter()
+        for _ in range(args.profile_steps):
+            engine.step()
+        totals["step (all of it)"] = time.perf_counter() - t0
+    phases_ms = {k: v * 1e3 / args.profile_steps for k, v in totals.items()}
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.profile_steps):
@@ -51,7 +60,36 @@ def measure(engine, async_scheduling: bool, args) -> dict:
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(22)
     return dict(async_scheduling=async_scheduling, median_ms=statistics.median(times) * 1e3,
-                profile_top=text.getvalue().splitlines()[6:34])
+                phases_ms=phases_ms, profile_top=text.getvalue().splitlines()[6:34])
+
+
+# The parts of a step, (engine attribute, method): the host's own work. The rest of a step's wall
+# time is launch glue and, with async scheduling, waiting for the GPU.
+PHASES = (("scheduler", "schedule"), ("model_runner", "prepare_step"), ("model_runner", "run_step"),
+          ("model_runner", "_sample"), ("", "_process_step"))
+
+
+@contextlib.contextmanager
+def phase_timers(engine, totals: dict[str, float]):
+    """Sums the wall time of each PHASES method into `totals` (seconds), wrapping it on its instance."""
+    patched = []
+    for owner_name, method in PHASES:
+        owner = getattr(engine, owner_name) if owner_name else engine
+        key = f"{owner_name or 'engine'}.{method}"
+
+        def timed(*a, _fn=getattr(owner, method), _key=key, **kw):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                totals[_key] = totals.get(_key, 0.0) + time.perf_counter() - t0
+        setattr(owner, method, timed)
+        patched.append((owner, method))
+    try:
+        yield
+    finally:
+        for owner, method in patched:
+            delattr(owner, method)  # the class's method again
 
 
 def main(argv=None) -> dict:
@@ -70,6 +108,7 @@ def main(argv=None) -> dict:
     runs = [measure(llm.engine, mode, args) for mode in (True, False)]
     for r in runs:
         print(f"=== async={r['async_scheduling']}: median {r['median_ms']:.3f} ms/step")
+        print("\n".join(f"  {k:28s} {v:8.3f} ms/step" for k, v in r["phases_ms"].items()))
         print("\n".join(line[:150] for line in r["profile_top"]))
     payload = dict(args=vars(args), runs=runs)
     print(f"wrote {write_result('profile_host', payload, args.out)}")
