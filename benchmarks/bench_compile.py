@@ -75,20 +75,6 @@ TARGETS_S = {"dummy:smollm2-135m": {"cold": 20.0, "warm": 5.0}}
 STAGES = ("imports", "weights", "dynamo", "passes_lowering", "inductor", "cache_load", "capture", "other")
 
 
-def _timed(owner, name: str, record: dict, key: str) -> None:
-    """Wrap owner.name so that its wall time adds up in record[key]."""
-    fn = getattr(owner, name)
-
-    def wrapper(*args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            record[key] = record.get(key, 0.0) + time.perf_counter() - t
-
-    setattr(owner, name, wrapper)
-
-
 def child_engine(model: str, cache_dir: str, started: float, max_model_len: int | None) -> None:
     """Runs in a subprocess: build the engine on CUDA, print the startup split as JSON.
     `started` is the parent's time.time() just before it started this process."""
@@ -96,9 +82,10 @@ def child_engine(model: str, cache_dir: str, started: float, max_model_len: int 
 
     import torch
     import compilelm.models.loader as loader
+    from benchmarks.common import time_calls
 
     record: dict = {}
-    _timed(loader, "build_model", record, "weights")  # before anything imports build_model by name
+    time_calls(loader, "build_model", record, "weights")  # before anything imports build_model by name
     from compilelm.runtime.model_runner import ModelRunner
 
     build_forward = ModelRunner._build_forward
@@ -119,12 +106,12 @@ def child_engine(model: str, cache_dir: str, started: float, max_model_len: int 
             record["compile_obj"] = runner.compiled
 
     ModelRunner._build_forward = timed_build_forward
-    _timed(ModelRunner, "__init__", record, "runner")
+    time_calls(ModelRunner, "__init__", record, "runner")
     from compilelm.runtime import cuda_graphs
     from compilelm.runtime import piecewise_graphs
     # the graphs alone (full decode graphs + piecewise graphs)
-    _timed(cuda_graphs.CUDAGraphRunner, "capture", record, "graph_capture")
-    _timed(piecewise_graphs.PiecewiseGraphs, "capture", record, "graph_capture")
+    time_calls(cuda_graphs.CUDAGraphRunner, "capture", record, "graph_capture")
+    time_calls(piecewise_graphs.PiecewiseGraphs, "capture", record, "graph_capture")
     log = []
     handler = logging.Handler()
     handler.emit = lambda r: (log.append(r.getMessage()), print(f"[{time.time() - started:6.1f} s] {r.getMessage()}",

@@ -72,6 +72,21 @@ def watch_compiles():
         CompiledModel.compile = original
 
 
+def time_calls(owner, name: str, record: dict, key: str) -> None:
+    """Wrap owner.name (a module, class or instance attribute) so that its wall time adds up in
+    record[key] (seconds)."""
+    fn = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            record[key] = record.get(key, 0.0) + time.perf_counter() - t
+
+    setattr(owner, name, wrapper)
+
+
 def summary(out_dir: str) -> list[dict]:
     """One compact table over the JSON results in `out_dir` (scripts/gpu_bench.sh prints it last):
     a row per headline number, with its target or reference and whether it was met."""

@@ -25,7 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_decode import prompts  # noqa: E402
-from benchmarks.common import write_result  # noqa: E402
+from benchmarks.common import time_calls, write_result  # noqa: E402
 
 
 def measure(engine, async_scheduling: bool, args) -> dict:
@@ -75,15 +75,7 @@ def phase_timers(engine, totals: dict[str, float]):
     patched = []
     for owner_name, method in PHASES:
         owner = getattr(engine, owner_name) if owner_name else engine
-        key = f"{owner_name or 'engine'}.{method}"
-
-        def timed(*a, _fn=getattr(owner, method), _key=key, **kw):
-            t0 = time.perf_counter()
-            try:
-                return _fn(*a, **kw)
-            finally:
-                totals[_key] = totals.get(_key, 0.0) + time.perf_counter() - t0
-        setattr(owner, method, timed)
+        time_calls(owner, method, totals, f"{owner_name or 'engine'}.{method}")
         patched.append((owner, method))
     try:
         yield
