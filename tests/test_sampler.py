@@ -9,8 +9,8 @@ from compilelm.runtime.sampler import (
     apply_min_tokens,
     apply_penalties,
     apply_top_k_top_p_min_p,
-    gather_logprobs,
     argmax_rows,
+    gather_logprobs,
     sample,
 )
 from compilelm.sampling_params import SamplingParams

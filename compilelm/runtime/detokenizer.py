@@ -65,12 +65,7 @@ class IncrementalDetokenizer:
         delta = []
         for token_id in new_token_ids:
             self._window.append(token_id)
-            if self._read_offset == 1:
-                prefix_text = self._single.get(self._window[0])
-                if prefix_text is None:
-                    prefix_text = self._single[self._window[0]] = self._decode(self._window[:1])
-            else:
-                prefix_text = self._decode(self._window[: self._read_offset])
+            prefix_text = self._prefix_text()
             full_text = self._decode(self._window)
             if len(full_text) > len(prefix_text) and not full_text.endswith(_REPLACEMENT_CHAR):
                 delta.append(full_text[len(prefix_text) :])
@@ -85,7 +80,7 @@ class IncrementalDetokenizer:
         """All of `new_token_ids` in one decode of the window; None (nothing changed) if that text
         ends in an unfinished character, where the token-by-token path emits what it can."""
         window = self._window + list(new_token_ids)
-        prefix_text = self._decode(self._window[: self._read_offset])
+        prefix_text = self._prefix_text()
         full_text = self._decode(window)
         if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
             return None
@@ -94,6 +89,15 @@ class IncrementalDetokenizer:
         self._window = window[-_INITIAL_PREFIX_TOKENS:]
         self._read_offset = len(self._window)
         self._output_text += text
+        return text
+
+    def _prefix_text(self) -> str:
+        """The text of window[:read_offset] (a single id's from the cache)."""
+        if self._read_offset != 1:
+            return self._decode(self._window[: self._read_offset])
+        text = self._single.get(self._window[0])
+        if text is None:
+            text = self._single[self._window[0]] = self._decode(self._window[:1])
         return text
 
     def truncate(self, length: int) -> None:

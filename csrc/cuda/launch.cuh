@@ -20,9 +20,10 @@
 // One exception: in small models (rope_cache_kernels.cu: query width <= 1024) rope_and_cache
 // allows its dependent (decode attention) at its start, so attention reads its metadata, block
 // table and older context rows while the QKV projection two kernels back still runs: the chain
-// of dependent loads before attention's wait (~3 us at batch 1) was otherwise exposed. The kernel after rope_and_cache may therefore start before the one two back
-// is complete; what it reads before its wait is never written during a forward, and its wait
-// returns only after rope_and_cache, which itself waited for that kernel. (H100, SmolLM2-135M
+// of dependent loads before attention's wait (~3 us at batch 1) was otherwise exposed. The
+// kernel after rope_and_cache may therefore start before the one two back is complete; what it
+// reads before its wait is never written during a forward, and its wait returns only after
+// rope_and_cache, which itself waited for that kernel. (H100, SmolLM2-135M
 // batch 1: graph 0.677 -> 0.642 ms, step 0.708 -> 0.674 ms; .gpu_tune chain of 30 layers
 // 21.4 -> 20.4 us per layer. At Llama-3.1-8B shapes it cost 5.80 -> 5.94 ms at batch 1.)
 //
