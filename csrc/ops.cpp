@@ -62,6 +62,14 @@ TORCH_LIBRARY(compilelm, m) {
       "rope_and_cache(Tensor positions, Tensor query, Tensor key, Tensor value, Tensor cos_sin_cache, "
       "Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, Tensor(a!) key_cache, "
       "Tensor(b!) value_cache, Tensor slot_mapping) -> Tensor");
+  // rope_and_cache (without QK-norm) then paged_attention of the rotated query, returning its
+  // output: on CUDA one kernel for a pure-decode batch (max_query_len == 1) of a model wider than
+  // SmolLM2-135M, which writes the cache rows of the batch's sequences only (rows past the last
+  // sequence must have slot -1).
+  m.def(
+      "rope_paged_attention(Tensor positions, Tensor query, Tensor key, Tensor value, Tensor cos_sin_cache, "
+      "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, Tensor cu_seqlens_q, Tensor seq_lens, "
+      "Tensor block_tables, float scale, int max_query_len=0) -> Tensor");
 
   // x: [num_tokens, hidden] -> (q: fp8 [num_tokens, hidden], scale: fp32 [num_tokens, 1])
   m.def("quant_fp8_per_token(Tensor x) -> (Tensor, Tensor)");

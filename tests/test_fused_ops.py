@@ -8,6 +8,7 @@ from compilelm import ops
 from compilelm.layers.layernorm import RMSNorm, rms_norm
 from compilelm.layers.rotary_embedding import RotaryEmbedding
 from compilelm.ops import quant as q_ops
+from tests.test_ops import make_decode_step
 
 OPS = torch.ops.compilelm
 
@@ -97,3 +98,20 @@ def test_rope_and_cache_cpu(qk_norm):
     untouched[slots[written]] = False
     assert torch.equal(rows_k[untouched], k_before.view(-1, 2, 64)[untouched])
     assert torch.equal(rows_v[untouched], v_before.view(-1, 2, 64)[untouched])
+
+
+def test_rope_paged_attention_cpu():
+    """The one op == rope_and_cache, then paged_attention of the rotated query (its CPU kernel is
+    that composition; the CUDA kernel is held to it in tests/gpu/test_rope_attention_kernel.py),
+    and ~ the reference; the caches hold the rotated key and the value at the new slots."""
+    args = make_decode_step((1, 40, 100), num_heads=4, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    positions, q, k, v, cos_sin, key_cache, value_cache, slots, cu, seq_lens, tables, scale = args
+    k2, v2 = key_cache.clone(), value_cache.clone()
+    out = ops.rope_paged_attention(*args, 1)
+    rotated = ops.rope_and_cache(positions, q, k, v, cos_sin, None, None, 0.0, k2, v2, slots)
+    assert torch.equal(out, ops.paged_attention(rotated, k2, v2, cu, seq_lens, tables, scale, 1))
+    assert torch.equal(key_cache, k2) and torch.equal(value_cache, v2)
+    k3, v3 = k2.clone(), v2.clone()
+    torch.testing.assert_close(out, ops.rope_paged_attention_ref(positions, q, k, v, cos_sin, k3, v3, slots, cu,
+                                                                 seq_lens, tables, scale))
+    torch.library.opcheck(OPS.rope_paged_attention.default, (*args, 1))

@@ -5,6 +5,7 @@ import itertools
 import pytest
 import torch
 
+from compilelm.layers.rotary_embedding import RotaryEmbedding
 from compilelm.ops import paged_attention, paged_attention_ref, reshape_and_cache, reshape_and_cache_ref
 
 TOLERANCES = {
@@ -38,6 +39,40 @@ def make_attention_inputs(
     seq_lens = torch.tensor([seq_len for _, seq_len in q_and_seq_lens], dtype=torch.int32)
     query = torch.randn(sum(q_lens) + num_pad_rows, num_heads, head_size, generator=gen).to(dtype)
     return query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, head_size**-0.5
+
+
+def make_decode_step(contexts, *, num_heads, num_kv_heads, head_size, dtype, num_pad_rows=3, cos_dtype=torch.float32,
+                block_size=16, seed=0, num_blocks=None, width=None, max_position=None):
+    """One pure-decode step: q/k/v as views of a fused qkv tensor, each sequence's new token at
+    position context - 1 with its slot in the sequence's last block, padding rows (slot -1) after
+    the sequences, random cache contents elsewhere. The arguments of rope_paged_attention (but max_query_len), on the CPU."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [-(-n // block_size) for n in contexts]
+    num_blocks = num_blocks or 1 + sum(blocks) + 2
+    physical = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = torch.zeros(len(contexts), width or max(blocks) + 1, dtype=torch.int32)
+    for i, n in enumerate(blocks):
+        tables[i, :n] = torch.tensor(physical[:n], dtype=torch.int32)
+        physical = physical[n:]
+    rows = len(contexts) + num_pad_rows
+    positions = torch.zeros(rows, dtype=torch.int64)
+    slots = torch.full((rows,), -1, dtype=torch.int64)
+    for i, n in enumerate(contexts):
+        positions[i] = n - 1
+        slots[i] = int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+    d = head_size
+    qkv = torch.randn(rows, (num_heads + 2 * num_kv_heads) * d, generator=gen).to(dtype)
+    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    cache_shape = (num_blocks, block_size, num_kv_heads, d)
+    key_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    value_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    cos_sin = RotaryEmbedding(d, max_position=max_position or max(contexts) + 1, theta=10000.0).cos_sin_cache
+    cos_sin = cos_sin.to(cos_dtype)
+    cu = torch.arange(len(contexts) + 1, dtype=torch.int32)
+    seq_lens = torch.tensor(contexts, dtype=torch.int32)
+    args = (positions, q.view(rows, num_heads, d), k.view(rows, num_kv_heads, d), v.view(rows, num_kv_heads, d),
+            cos_sin, key_cache, value_cache, slots, cu, seq_lens, tables, d**-0.5)
+    return list(args)
 
 
 def mixed_batch(seed):

@@ -57,13 +57,20 @@ def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_n
 # `rope(q, k) -> unified_attention` to. The rotated k is what goes into the KV cache: one
 # `rope_and_cache` op normalizes and rotates q and k and writes k and v into the cache (on CPU
 # the same torch ops as the unfused path, so the same numerics; on CUDA one kernel), then paged
-# attention runs.
+# attention runs. Without QK-norm both are one op, `rope_paged_attention`: on CUDA a pure-decode
+# batch in small launches is then one kernel, the decode attention kernel rotating q and k itself.
 
 def _rope_and_attention(q, k, v, q_norm_weight, k_norm_weight, eps, positions, cos_sin_cache, head_dim, layer_name):
     ctx = get_forward_context()
     meta = ctx.attn_metadata
     key_cache, value_cache = ctx.kv_caches[layer_name]
     n = q.shape[0]
+    if q_norm_weight is None:  # one op (on CUDA one kernel for a pure-decode batch)
+        out = ops.rope_paged_attention(positions, q.view(n, -1, head_dim), k.view(n, -1, head_dim),
+                                       v.view(n, -1, head_dim), cos_sin_cache, key_cache, value_cache,
+                                       meta.slot_mapping, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                                       head_dim ** -0.5, meta.max_query_len)
+        return out.view(n, -1)
     # q: [n, num_heads, head_dim] rotated, contiguous; k, v: in the cache
     q = ops.rope_and_cache(positions, q.view(n, -1, head_dim), k.view(n, -1, head_dim), v.view(n, -1, head_dim),
                            cos_sin_cache, q_norm_weight, k_norm_weight, eps, key_cache, value_cache, meta.slot_mapping)

@@ -5,12 +5,17 @@ rotated k's round trip through memory and two launches per layer.
 
 The CPU implementation is the torch composition of the unfused path (rms_norm, apply_rope,
 reshape_and_cache), which is also the reference of the GPU tests.
+
+rope_paged_attention: rope_and_cache (no QK-norm) and then paged_attention of the rotated query,
+as one op: on CUDA a pure-decode batch runs as ONE kernel (csrc/cuda/paged_attention_decode.cu,
+kRope), where the decode kernel rotates the query and the new key itself; elsewhere the two ops.
 """
 
 import torch
 from torch import Tensor
 
 from compilelm.layers.layernorm import rms_norm
+from compilelm.ops.attention import paged_attention_ref
 from compilelm.layers.rotary_embedding import apply_rope
 
 
@@ -53,4 +58,46 @@ def _(positions, query, key, value, cos_sin_cache, q_norm_weight, k_norm_weight,
 @torch.library.register_fake("compilelm::rope_and_cache")
 def _(positions, query, key, value, cos_sin_cache, q_norm_weight, k_norm_weight, eps, key_cache, value_cache,
       slot_mapping):
+    return query.new_empty(query.shape)
+
+
+def rope_paged_attention(
+    positions: Tensor,  # int64 [num_tokens]
+    query: Tensor,  # [num_tokens, num_heads, head_size], not yet rotated
+    key: Tensor,  # [num_tokens, num_kv_heads, head_size], not yet rotated
+    value: Tensor,  # [num_tokens, num_kv_heads, head_size]
+    cos_sin_cache: Tensor,  # [max_position, head_size] = cos | sin of the half-dims
+    key_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size], written in place
+    value_cache: Tensor,  # written in place
+    slot_mapping: Tensor,  # int64 [num_tokens]; -1 skips (and must, on rows past the last sequence)
+    cu_seqlens_q: Tensor,  # int32 [num_seqs + 1]
+    seq_lens: Tensor,  # int32 [num_seqs]
+    block_tables: Tensor,  # int32 [num_seqs, max_blocks_per_seq]
+    scale: float,
+    max_query_len: int = 0,  # as paged_attention's; 1 (pure decode) allows the one-kernel path
+) -> Tensor:  # [num_tokens, num_heads, head_size], paged_attention's output
+    return torch.ops.compilelm.rope_paged_attention.default(
+        positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping, cu_seqlens_q, seq_lens,
+        block_tables, scale, max_query_len)
+
+
+def rope_paged_attention_ref(positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping,
+                             cu_seqlens_q, seq_lens, block_tables, scale, max_query_len=0) -> Tensor:
+    q = rope_and_cache_ref(positions, query, key, value, cos_sin_cache, None, None, 0.0, key_cache, value_cache,
+                           slot_mapping)
+    return paged_attention_ref(q, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+
+
+@torch.library.register_kernel("compilelm::rope_paged_attention", "cpu")
+def _(positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping, cu_seqlens_q, seq_lens,
+      block_tables, scale, max_query_len=0):
+    q = rope_and_cache_ref(positions, query, key, value, cos_sin_cache, None, None, 0.0, key_cache, value_cache,
+                           slot_mapping)
+    return torch.ops.compilelm.paged_attention.default(q, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables,
+                                                       scale, max_query_len)
+
+
+@torch.library.register_fake("compilelm::rope_paged_attention")
+def _(positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping, cu_seqlens_q, seq_lens,
+      block_tables, scale, max_query_len=0):
     return query.new_empty(query.shape)

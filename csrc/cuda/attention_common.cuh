@@ -18,6 +18,15 @@ __device__ __forceinline__ void widen(const uint4& v, float (&f)[16 / sizeof(T)]
   for (int i = 0; i < 16 / static_cast<int>(sizeof(T)); ++i) f[i] = to_float(e[i]);
 }
 
+// Neox RoPE of element x of a head, given its pair element `other` (j +- head_size / 2) and the
+// pair's cos c and sin s: x c - other s in the lower half, x c + other s in the upper. In fp32
+// without contraction into FMAs, so rope_and_cache and the decode kernel's RoPE (rope_paged_attention)
+// get the same bits.
+__device__ __forceinline__ float rope_rotate(float x, float other, float c, float s, bool upper) {
+  const float xc = __fmul_rn(x, c), os = __fmul_rn(other, s);
+  return upper ? __fadd_rn(xc, os) : __fsub_rn(xc, os);
+}
+
 // Sequence of a query row: the last i in [0, num_seqs) with cu_seqlens_q[i] <= token
 // (the last, so that empty sequences sharing that start are skipped).
 __device__ __forceinline__ int find_seq(const int32_t* cu_seqlens_q, int num_seqs, int token) {

@@ -7,6 +7,7 @@ TORCH_LIBRARY_IMPL(compilelm, CUDA, m) {
   m.impl("reshape_and_cache", &compilelm::cuda::reshape_and_cache);
   m.impl("paged_attention", &compilelm::cuda::paged_attention);
   m.impl("rope_and_cache", &compilelm::cuda::rope_and_cache);
+  m.impl("rope_paged_attention", &compilelm::cuda::rope_paged_attention);
   m.impl("quant_fp8_per_token", &compilelm::cuda::quant_fp8_per_token);
   m.impl("quant_fp8_static", &compilelm::cuda::quant_fp8_static);
   m.impl("rms_norm_quant_fp8", &compilelm::cuda::rms_norm_quant_fp8);

@@ -8,6 +8,8 @@
 #include <optional>
 #include <tuple>
 
+#include "cuda/launchers.h"
+
 namespace compilelm::cuda {
 
 void reshape_and_cache(
@@ -26,6 +28,44 @@ at::Tensor paged_attention(
     const at::Tensor& block_tables,
     double scale,
     int64_t max_query_len);
+
+// rope_and_cache(...), then paged_attention(...) of the rotated query; in one kernel for a
+// pure-decode batch (max_query_len == 1) where launch_rope_paged_attention_decode covers it.
+at::Tensor rope_paged_attention(
+    const at::Tensor& positions,
+    const at::Tensor& query,
+    const at::Tensor& key,
+    const at::Tensor& value,
+    const at::Tensor& cos_sin_cache,
+    at::Tensor& key_cache,
+    at::Tensor& value_cache,
+    const at::Tensor& slot_mapping,
+    const at::Tensor& cu_seqlens_q,
+    const at::Tensor& seq_lens,
+    const at::Tensor& block_tables,
+    double scale,
+    int64_t max_query_len);
+
+// The checked arguments of one call as kernel parameters, with the contiguous tensors they point
+// into (alive as long as the call): shared by the ops that launch the same kernels.
+struct AttentionCall {  // paged_attention.cpp; params.out unset
+  AttentionParams params;
+  at::Tensor cu_seqlens_q, seq_lens, block_tables;
+  int64_t max_context;  // block_tables.size(1) * block_size: bounds seq_lens, sizes the split-K
+};
+AttentionCall attention_call(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                             const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                             const at::Tensor& block_tables, double scale);
+
+struct RopeCacheCall {  // rope_and_cache.cpp; params.q_out unset
+  RopeCacheParams params;
+  at::Tensor positions, slot_mapping, cos_sin_cache, q_norm_weight, k_norm_weight;
+};
+RopeCacheCall rope_cache_call(const at::Tensor& positions, const at::Tensor& query, const at::Tensor& key,
+                              const at::Tensor& value, const at::Tensor& cos_sin_cache,
+                              const std::optional<at::Tensor>& q_norm_weight,
+                              const std::optional<at::Tensor>& k_norm_weight, double eps, at::Tensor& key_cache,
+                              at::Tensor& value_cache, const at::Tensor& slot_mapping);
 
 // rope_and_cache.cpp
 at::Tensor rope_and_cache(

@@ -83,7 +83,7 @@ struct RopeCacheParams {
   const void* query;             // [num_tokens, num_heads, head_size], token stride q_stride
   const void* key;               // [num_tokens, num_kv_heads, head_size], token stride k_stride
   const void* value;             // [num_tokens, num_kv_heads, head_size], token stride v_stride
-  const void* cos_sin_cache;     // [max_position, head_size], fp32 or the query dtype
+  const void* cos_sin_cache;     // [max_position, head_size], fp32 (cos_sin_fp32) or the query dtype
   const void* q_norm_weight;     // [head_size] or null (no QK-norm)
   const void* k_norm_weight;     // [head_size] or null
   void* q_out;                   // [num_tokens, num_heads, head_size] contiguous
@@ -93,10 +93,26 @@ struct RopeCacheParams {
   int64_t q_stride, k_stride, v_stride, num_slots;
   int num_tokens, num_heads, num_kv_heads, head_size;
   float eps;
+  bool cos_sin_fp32;
   bool early_dependents;  // set by the launcher (rope_cache_kernels.cu)
 };
 
-void launch_rope_and_cache(const RopeCacheParams& p, at::ScalarType dtype, bool cos_sin_fp32);
+void launch_rope_and_cache(const RopeCacheParams& p, at::ScalarType dtype);
+
+// A model whose query is at most this wide (num_heads * head_size) decodes as a chain of kernels
+// too short to hide decode attention's first loads behind the QKV projection alone: there
+// rope_and_cache lets attention start at once (rope_cache_kernels.cu), and rope_paged_attention
+// keeps those two kernels rather than its one (paged_attention.cpp).
+constexpr int kSmallModelQueryWidth = 1024;
+
+// rope_paged_attention of a pure-decode batch in one kernel (paged_attention_decode.cu): p.query
+// is the query before RoPE; r's query and q_out are unused, its key and value are this step's
+// rows, rotated / copied into the cache by the kernel. Returns false, launching nothing, where
+// the batch would not run as thread block clusters (sm_90+, small batches) or the shapes are not
+// covered (bf16/fp16, head_size 64 or 128, groups of up to 8 heads): the caller then runs
+// rope_and_cache and paged_attention.
+bool launch_rope_paged_attention_decode(const AttentionParams& p, const RopeCacheParams& r, at::ScalarType dtype,
+                                        int64_t max_context);
 
 constexpr float kLog2e = 1.4426950408889634f;
 

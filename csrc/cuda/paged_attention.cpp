@@ -27,17 +27,10 @@
 
 namespace compilelm::cuda {
 
-at::Tensor paged_attention(
-    const at::Tensor& query,
-    const at::Tensor& key_cache,
-    const at::Tensor& value_cache,
-    const at::Tensor& cu_seqlens_q,
-    const at::Tensor& seq_lens,
-    const at::Tensor& block_tables,
-    double scale,
-    int64_t max_query_len) {
+AttentionCall attention_call(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                             const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                             const at::Tensor& block_tables, double scale) {
   TORCH_CHECK(query.is_cuda(), "query must be a CUDA tensor, got ", query.device());
-  TORCH_CHECK(max_query_len >= 0, "max_query_len must be >= 0 (0 = unknown), got ", max_query_len);
   check_paged_attention_args(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables,
                              /*strided_cache=*/true);
   const int64_t elem = key_cache.element_size();
@@ -49,54 +42,111 @@ at::Tensor paged_attention(
   TORCH_CHECK(query.stride(0) * query.element_size() % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(query.const_data_ptr()) % 16 == 0,
               "query rows must be 16-byte aligned (token stride ", query.stride(0), ")");
-  const int64_t num_heads = query.size(1);
-  const int64_t num_kv_heads = key_cache.size(2);
-  const int64_t num_seqs = seq_lens.size(0);
-  const auto dtype = query.scalar_type();
   TORCH_CHECK(query.size(2) == 64 || query.size(2) == 128 || query.size(2) == 256,
               "paged_attention on CUDA supports head_size 64, 128 and 256, got ", query.size(2));
   TORCH_CHECK(query.numel() < (int64_t{1} << 31) && key_cache.size(0) * key_cache.size(1) < (int64_t{1} << 31),
               "paged_attention on CUDA indexes tokens and cache slots with 32-bit ints");
 
-  const c10::cuda::CUDAGuard device_guard(query.device());
-  at::Tensor out = at::empty(query.sizes(), query.options());
-  if (query.size(0) == 0) return out;
-  if (num_seqs == 0) return out.zero_();  // every row is padding
-
-  const auto cu = cu_seqlens_q.contiguous();
-  const auto lens = seq_lens.contiguous();
-  const auto tables = block_tables.contiguous();
-  AttentionParams p{};
+  AttentionCall call;
+  call.cu_seqlens_q = cu_seqlens_q.contiguous();
+  call.seq_lens = seq_lens.contiguous();
+  call.block_tables = block_tables.contiguous();
+  call.max_context = call.block_tables.size(1) * key_cache.size(1);
+  AttentionParams& p = call.params;
+  p = AttentionParams{};
   p.query = query.const_data_ptr();
   p.key_cache = key_cache.const_data_ptr();
   p.value_cache = value_cache.const_data_ptr();
-  p.out = out.mutable_data_ptr();
-  p.cu_seqlens_q = cu.const_data_ptr<int32_t>();
-  p.seq_lens = lens.const_data_ptr<int32_t>();
-  p.block_tables = tables.const_data_ptr<int32_t>();
+  p.cu_seqlens_q = call.cu_seqlens_q.const_data_ptr<int32_t>();
+  p.seq_lens = call.seq_lens.const_data_ptr<int32_t>();
+  p.block_tables = call.block_tables.const_data_ptr<int32_t>();
   p.q_stride = query.stride(0);
   p.block_stride = key_cache.stride(0);
   p.slot_stride = key_cache.stride(1);
   p.head_stride = key_cache.stride(2);
-  p.num_seqs = static_cast<int>(num_seqs);
+  p.num_seqs = static_cast<int>(seq_lens.size(0));
   p.num_tokens = static_cast<int>(query.size(0));
-  p.num_heads = static_cast<int>(num_heads);
-  p.num_kv_heads = static_cast<int>(num_kv_heads);
-  p.group = static_cast<int>(num_heads / num_kv_heads);
+  p.num_heads = static_cast<int>(query.size(1));
+  p.num_kv_heads = static_cast<int>(key_cache.size(2));
+  p.group = p.num_heads / p.num_kv_heads;
   p.head_size = static_cast<int>(query.size(2));
   p.block_size = static_cast<int>(key_cache.size(1));
-  p.max_blocks = static_cast<int>(tables.size(1));
+  p.max_blocks = static_cast<int>(call.block_tables.size(1));
   p.scale_log2 = static_cast<float>(scale) * kLog2e;
+  return call;
+}
 
-  const int64_t max_context = tables.size(1) * key_cache.size(1);
+at::Tensor paged_attention(
+    const at::Tensor& query,
+    const at::Tensor& key_cache,
+    const at::Tensor& value_cache,
+    const at::Tensor& cu_seqlens_q,
+    const at::Tensor& seq_lens,
+    const at::Tensor& block_tables,
+    double scale,
+    int64_t max_query_len) {
+  TORCH_CHECK(max_query_len >= 0, "max_query_len must be >= 0 (0 = unknown), got ", max_query_len);
+  AttentionCall call = attention_call(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale);
+  AttentionParams& p = call.params;
+  const c10::cuda::CUDAGuard device_guard(query.device());
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  if (query.size(0) == 0) return out;
+  if (p.num_seqs == 0) return out.zero_();  // every row is padding
+  p.out = out.mutable_data_ptr();
+
   at::Tensor workspace;  // split-K partials: alive until both kernels are enqueued
-  if (max_query_len != 1 && prefill_supported(dtype, p.head_size, p.group)) {
-    const SplitParams splits = launch_paged_attention_decode(p, query, /*all_rows=*/false, max_context, workspace);
+  if (max_query_len != 1 && prefill_supported(query.scalar_type(), p.head_size, p.group)) {
+    const SplitParams splits = launch_paged_attention_decode(p, query, /*all_rows=*/false, call.max_context, workspace);
     launch_paged_attention_prefill(p, splits, query);
   } else {
-    launch_paged_attention_decode(p, query, /*all_rows=*/true, max_context, workspace);
+    launch_paged_attention_decode(p, query, /*all_rows=*/true, call.max_context, workspace);
   }
   return out;
+}
+
+// A pure-decode batch in one kernel where the decode kernel covers it (launchers.h) and the model
+// is not small, else the two ops. On an H100, 4 alternating runs of bench_decode at batch 1:
+// Llama-3.1-8B graph 5.815-5.822 -> 5.798-5.800 ms; SmolLM2-135M (query width 576) 0.605-0.607 ->
+// 0.618-0.621 ms, because there rope_and_cache lets attention start one kernel earlier
+// (kSmallModelQueryWidth), which hides attention's loads before its PDL wait; one kernel fewer
+// did not make up for it. The fused kernel writes the cache rows of the batch's sequences only:
+// rows past the last sequence (padding) must have slot -1, as the engine's do; rope_and_cache
+// would write any slot it is given.
+at::Tensor rope_paged_attention(
+    const at::Tensor& positions,
+    const at::Tensor& query,
+    const at::Tensor& key,
+    const at::Tensor& value,
+    const at::Tensor& cos_sin_cache,
+    at::Tensor& key_cache,
+    at::Tensor& value_cache,
+    const at::Tensor& slot_mapping,
+    const at::Tensor& cu_seqlens_q,
+    const at::Tensor& seq_lens,
+    const at::Tensor& block_tables,
+    double scale,
+    int64_t max_query_len) {
+  TORCH_CHECK(max_query_len >= 0, "max_query_len must be >= 0 (0 = unknown), got ", max_query_len);
+  if (max_query_len == 1 && query.size(0) > 0 && seq_lens.size(0) > 0 &&
+      query.size(1) * query.size(2) > kSmallModelQueryWidth) {
+    const RopeCacheCall rope = rope_cache_call(positions, query, key, value, cos_sin_cache, std::nullopt,
+                                               std::nullopt, 0.0, key_cache, value_cache, slot_mapping);
+    AttentionCall call = attention_call(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale);
+    const auto aligned = [](const at::Tensor& t) {  // 16-byte rows: the kernel's vector loads
+      return t.stride(0) * t.element_size() % 16 == 0 && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+    };
+    if (aligned(key) && aligned(value) && aligned(rope.cos_sin_cache)) {
+      const c10::cuda::CUDAGuard device_guard(query.device());
+      at::Tensor out = at::empty(query.sizes(), query.options());
+      call.params.out = out.mutable_data_ptr();
+      if (launch_rope_paged_attention_decode(call.params, rope.params, query.scalar_type(), call.max_context)) {
+        return out;
+      }
+    }
+  }
+  const at::Tensor rotated = rope_and_cache(positions, query, key, value, cos_sin_cache, std::nullopt, std::nullopt,
+                                            0.0, key_cache, value_cache, slot_mapping);
+  return paged_attention(rotated, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_query_len);
 }
 
 }  // namespace compilelm::cuda

@@ -20,6 +20,13 @@
 //     (a merge kernel only where the counters are unavailable).
 // num_splits comes from shapes only (never from seq_lens values), so the launch is CUDA-graph
 // capturable.
+//
+// RoPE inside (kRope, rope_paged_attention): in the cluster launches of a pure-decode batch the
+// kernel takes the QKV projection's output as it is: each program rotates its heads' query rows
+// and the split that holds the row's new key rotates that key, writes it and the value to their
+// cache slot and feeds both to its own key loop from registers (it never reads them back): no
+// rope_and_cache kernel before it. Used for models wider than kSmallModelQueryWidth
+// (paged_attention.cpp says why not below).
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -109,12 +116,25 @@ __device__ void merge_in_cluster(const AttentionParams& p, int token, int head0,
 #endif
 }
 
-template <typename T, int D, int GP, bool kCluster>
+// kRope: x (the kVec elements of a lane, kLoads == 1) rotated in place by RoPE and rounded to T
+// (rope_and_cache's numbers: rope_rotate); the pair element of each sits kLanes / 2 lanes away.
+template <typename T, int kVec, int kLanes>
+__device__ __forceinline__ void rotate_row(float (&x)[kVec], const float (&c)[kVec], const float (&s)[kVec],
+                                           bool upper) {
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) {
+    const float other = __shfl_xor_sync(0xffffffffu, x[e], kLanes / 2);
+    x[e] = round_to<T>(rope_rotate(x[e], other, c[e], s[e], upper));
+  }
+}
+
+template <typename T, int D, int GP, bool kCluster, bool kRope>
 __global__ void __launch_bounds__(kWarps * 32)
-    paged_attention_decode_kernel(const AttentionParams p, const SplitParams s) {
+    paged_attention_decode_kernel(const AttentionParams p, const SplitParams s, const RopeCacheParams r) {
   using Tile = DecodeTile<T, D, GP, kCluster>;
   constexpr int kVec = Tile::kVec, kLanes = Tile::kLanes, kLoads = Tile::kLoads;
   constexpr int kGroups = Tile::kGroups, kUnroll = Tile::kUnroll;
+  static_assert(!kRope || (kCluster && kLoads == 1 && sizeof(T) == 2), "RoPE inside: 16-bit types, cluster launches");
   __shared__ float s_acc[kWarps][GP][D];  // each warp's merged softmax state
   __shared__ float s_m[kWarps][GP], s_l[kWarps][GP];
   __shared__ float s_weight[kCluster ? 1 : GP][kCluster ? 1 : kMaxSplits];  // the last split's merge weights
@@ -135,6 +155,12 @@ __global__ void __launch_bounds__(kWarps * 32)
 
   // Before the PDL wait (launch.cuh) only the step's metadata and the context of earlier steps
   // are read: the keys before `fresh` (this step's rows are written by the kernel just before).
+  // kRope (all rows: row = token): the row's cache slot and position, loaded beside locate_row's
+  int64_t slot = -1, position = 0;
+  if constexpr (kRope) {
+    slot = r.slot_mapping[row];
+    position = r.positions[row];
+  }
   int token, seq, num_keys;
   const bool located = locate_row(p, s.all_rows, row, token, seq, num_keys);
   const int active = located ? active_splits(num_keys, s.num_splits) : 0;
@@ -147,6 +173,12 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int64_t head_offset = kv_head * p.head_stride + lane_in_row * kVec;
   const T* k_base = static_cast<const T*>(p.key_cache) + head_offset;
   const T* v_base = static_cast<const T*>(p.value_cache) + head_offset;
+
+  // kRope: fresh_k / fresh_v: the new key (rotated) and value row's 16 bytes of this lane, in the
+  // split that holds key `fresh_key` (else -1)
+  const bool upper = lane_in_row >= kLanes / 2;  // kRope: this lane holds elements of the upper half
+  uint4 fresh_k = make_uint4(0, 0, 0, 0), fresh_v = make_uint4(0, 0, 0, 0);
+  int fresh_key = -1;
 
   // key rows base + u * kGroups + row_group (u < kUnroll) of one step, those below `limit`; the
   // next step's loads are issued before this step's math, so every warp always has loads in flight
@@ -163,13 +195,35 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
 #pragma unroll
       for (int l = 0; l < kLoads; ++l) {
-        k_next[u][l] = valid ? load_stream(k_base + offset + l * kLanes * kVec) : make_uint4(0, 0, 0, 0);
-        v_next[u][l] = valid ? load_stream(v_base + offset + l * kLanes * kVec) : make_uint4(0, 0, 0, 0);
+        if (kRope && key == fresh_key) {  // the new row: from registers
+          k_next[u][l] = fresh_k;
+          v_next[u][l] = fresh_v;
+        } else {
+          k_next[u][l] = valid ? load_stream(k_base + offset + l * kLanes * kVec) : make_uint4(0, 0, 0, 0);
+          v_next[u][l] = valid ? load_stream(v_base + offset + l * kLanes * kVec) : make_uint4(0, 0, 0, 0);
+        }
       }
     }
   };
   const bool works = located && split < active && begin < end;
   if (works) load(begin, min(end, fresh));
+  // kRope: the raw cos | sin of this lane's elements (fp32: 2 + 2 loads; T: 1 + 1), issued after
+  // the context loads and used after the wait: no round trip of theirs before the wait
+  uint4 cos_sin_raw[4];
+  if constexpr (kRope) {
+    const int64_t start = position * D + lane_in_row % (kLanes / 2) * kVec;
+    if (r.cos_sin_fp32) {
+      const uint4* cs = reinterpret_cast<const uint4*>(static_cast<const float*>(r.cos_sin_cache) + start);
+      cos_sin_raw[0] = __ldg(cs);
+      cos_sin_raw[1] = __ldg(cs + 1);
+      cos_sin_raw[2] = __ldg(cs + D / 8);  // + D / 2 floats
+      cos_sin_raw[3] = __ldg(cs + D / 8 + 1);
+    } else {
+      const uint4* cs = reinterpret_cast<const uint4*>(static_cast<const T*>(r.cos_sin_cache) + start);
+      cos_sin_raw[0] = __ldg(cs);
+      cos_sin_raw[2] = __ldg(cs + D / 16);  // + D / 2 elements of T
+    }
+  }
   wait_for_prior_kernels();  // PDL (launch.cuh): before any read of earlier kernels' outputs
   allow_dependent_kernels();
   if (!located) {
@@ -182,7 +236,34 @@ __global__ void __launch_bounds__(kWarps * 32)
   // no keys: no partial, not counted (the merge reads `active` splits); in a cluster every block
   // takes part in the merge (its partial: empty)
   if (!kCluster && split >= active) return;
-  if (works && begin + kStep > fresh) load(begin, end);  // the first step holds this step's rows: now
+  // kRope: cos and sin of this lane's elements, rounded to T (apply_rope's `.to(x.dtype)`)
+  float rope_cos[kRope ? kVec : 1], rope_sin[kRope ? kVec : 1];
+  if constexpr (kRope) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      if (r.cos_sin_fp32) {
+        rope_cos[e] = round_to<T>(reinterpret_cast<const float*>(&cos_sin_raw[0])[e]);
+        rope_sin[e] = round_to<T>(reinterpret_cast<const float*>(&cos_sin_raw[2])[e]);
+      } else {
+        rope_cos[e] = to_float(reinterpret_cast<const T*>(&cos_sin_raw[0])[e]);
+        rope_sin[e] = to_float(reinterpret_cast<const T*>(&cos_sin_raw[2])[e]);
+      }
+    }
+  }
+  // kRope: the split that holds the new key (q_len 1: key `fresh`) loads its raw key and value
+  // rows now, beside the query's loads below: one round trip for both
+  const bool holds_fresh = kRope && works && begin <= fresh && fresh < end;
+  uint4 fresh_raw_k = make_uint4(0, 0, 0, 0);
+  if constexpr (kRope) {
+    if (holds_fresh) {
+      const int64_t row = static_cast<int64_t>(token) * r.k_stride + kv_head * D + lane_in_row * kVec;
+      fresh_raw_k = *reinterpret_cast<const uint4*>(static_cast<const T*>(r.key) + row);
+      fresh_v = *reinterpret_cast<const uint4*>(static_cast<const T*>(r.value) + static_cast<int64_t>(token) * r.v_stride +
+                                                kv_head * D + lane_in_row * kVec);
+    }
+  } else if (works && begin + kStep > fresh) {
+    load(begin, end);  // the first step holds this step's rows: now
+  }
 
   // q[g][l][e]: element (l * kLanes + lane_in_row) * kVec + e of head head0 + g, times scale*log2e
   float q[GP][kLoads][kVec];
@@ -196,8 +277,36 @@ __global__ void __launch_bounds__(kWarps * 32)
         raw = *reinterpret_cast<const uint4*>(query + (head0 + g) * D + (l * kLanes + lane_in_row) * kVec);
       }
       widen<T>(raw, q[g][l]);
+      if constexpr (kRope) rotate_row<T, kVec, kLanes>(q[g][l], rope_cos, rope_sin, upper);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) q[g][l][e] *= p.scale_log2;
+    }
+  }
+
+  if constexpr (kRope) {
+    if (holds_fresh) {  // rotate the new key; write it and the value to the cache; feed both to the key loop
+      float k[kVec];
+      widen<T>(fresh_raw_k, k);
+      rotate_row<T, kVec, kLanes>(k, rope_cos, rope_sin, upper);
+      T rotated[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) rotated[e] = from_float<T>(k[e]);
+      fresh_k = *reinterpret_cast<const uint4*>(rotated);
+      if (row_group == 0 && slot >= 0 && slot < r.num_slots) {  // one row group writes the cache rows
+        const int64_t dst = slot / p.block_size * p.block_stride + slot % p.block_size * p.slot_stride + head_offset;
+        *reinterpret_cast<uint4*>(static_cast<T*>(r.key_cache) + dst) = fresh_k;
+        *reinterpret_cast<uint4*>(static_cast<T*>(r.value_cache) + dst) = fresh_v;
+      }
+      // the first step's other rows were loaded before the wait (keys below `fresh`): the new row
+      // takes its place there, or in the load of a later step
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (begin + u * kGroups + row_group == fresh) {
+          k_next[u][0] = fresh_k;
+          v_next[u][0] = fresh_v;
+        }
+      }
+      fresh_key = fresh;
     }
   }
 
@@ -406,7 +515,7 @@ int64_t resident_programs() {  // of the split-K (non-cluster) kernel, on the wh
   static const int64_t capacity = [] {
     int per_sm = 0, sms = 0, device = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_sm, paged_attention_decode_kernel<T, D, GP, false>, kWarps * 32, 0));
+        &per_sm, paged_attention_decode_kernel<T, D, GP, false, false>, kWarps * 32, 0));
     C10_CUDA_CHECK(cudaGetDevice(&device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     return static_cast<int64_t>(std::max(per_sm, 1)) * sms;
@@ -416,18 +525,13 @@ int64_t resident_programs() {  // of the split-K (non-cluster) kernel, on the wh
 
 // How many 16-block clusters of the cluster kernel the GPU holds at once (0: none, or the
 // non-portable size is refused): a launch uses 16 splits only if all its clusters fit.
-struct ClusterLimits {
-  int resident_clusters_16 = 0;
-};
-
-template <typename T, int D, int GP>
-const ClusterLimits& cluster_limits() {
-  static const ClusterLimits limits = [] {
-    ClusterLimits l;
-    auto kernel = paged_attention_decode_kernel<T, D, GP, true>;
+template <typename T, int D, int GP, bool kRope>
+int resident_clusters_16() {
+  static const int clusters = [] {
+    auto kernel = paged_attention_decode_kernel<T, D, GP, true, kRope>;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
       (void)cudaGetLastError();
-      return l;
+      return 0;
     }
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(1, kMaxClusterSplits);
@@ -439,15 +543,33 @@ const ClusterLimits& cluster_limits() {
     attribute.val.clusterDim.z = 1;
     config.attrs = &attribute;
     config.numAttrs = 1;
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, kernel, &config) != cudaSuccess) {
       (void)cudaGetLastError();
-      clusters = 0;
+      return 0;
     }
-    l.resident_clusters_16 = clusters;
-    return l;
+    return n;
   }();
-  return limits;
+  return clusters;
+}
+
+// Splits of a pure-decode launch of `programs` programs as thread block clusters (at most 16
+// splits each), merged there (no workspace); 0: no cluster launch. Only on sm_90+, where the
+// launch's clusters are all resident at once (at most one block per SM) and a split has at most
+// kMaxClusterSplitKeys keys. On an H100 (Llama-3.1-8B heads, bench_attention at 5d391f5 against
+// 0aca49d) 8-block clusters won at batch 1 up to 2048 keys (16.4 -> 14.5 us; SmolLM2-135M at
+// 1024 keys 6.6 -> 5.4 us) and lost where a launch filled the SMs (batch 16 x 2048: 384 blocks,
+// 64 -> 86 us; batch 64: 126 -> 140 us) or where 8 splits were too few (batch 1 x 8192: 30 -> 45
+// us). 16-block clusters (non-portable) halve a split: at SmolLM2-135M batch 1 the key loop of
+// two 64-key steps took 3.1 us, one step 1.6 us.
+template <typename T, int D, int GP, bool kRope>
+int cluster_splits(int64_t programs, int64_t max_context) {
+  if (!cluster_merge_enabled() || at::cuda::getCurrentDeviceProperties()->major < 9) return 0;
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int max_splits = programs <= resident_clusters_16<T, D, GP, kRope>() ? kMaxClusterSplits
+                                                                            : kPortableClusterSplits;
+  const int splits = choose_num_splits(programs, sms, max_context, max_splits);
+  return splits > 1 && programs * splits <= sms && max_context <= splits * kMaxClusterSplitKeys ? splits : 0;
 }
 
 template <typename T, int D, int GP>
@@ -457,23 +579,11 @@ SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_r
   const int chunks = (p.group + GP - 1) / GP;
   const int64_t programs = static_cast<int64_t>(rows) * p.num_kv_heads * chunks;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  // All rows on sm_90+, small launches: a program's splits (at most 16) in one cluster, merged there
-  // (no workspace). Only where the launch's clusters are all resident at once (at most one block
-  // per SM) and a split has at most kMaxClusterSplitKeys keys. On an H100 (Llama-3.1-8B heads,
-  // bench_attention at 5d391f5 against 0aca49d) 8-block clusters won at batch 1 up to 2048 keys
-  // (16.4 -> 14.5 us; SmolLM2-135M at 1024 keys 6.6 -> 5.4 us) and lost where a launch filled the
-  // SMs (batch 16 x 2048: 384 blocks, 64 -> 86 us; batch 64: 126 -> 140 us) or where 8 splits were
-  // too few (batch 1 x 8192: 30 -> 45 us). 16-block clusters (non-portable) halve a split: at
-  // SmolLM2-135M batch 1 the key loop of two 64-key steps took 3.1 us, one step 1.6 us.
-  if (all_rows && cluster_merge_enabled() && at::cuda::getCurrentDeviceProperties()->major >= 9) {
-    const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    const ClusterLimits& limits = cluster_limits<T, D, GP>();
-    const int max_splits = programs <= limits.resident_clusters_16 ? kMaxClusterSplits : kPortableClusterSplits;
-    const int splits = choose_num_splits(programs, sms, max_context, max_splits);
-    if (splits > 1 && programs * splits <= sms && max_context <= splits * kMaxClusterSplitKeys) {
-      launch_kernel_in_clusters(paged_attention_decode_kernel<T, D, GP, true>,
+  if (all_rows) {
+    if (const int splits = cluster_splits<T, D, GP, false>(programs, max_context)) {
+      launch_kernel_in_clusters(paged_attention_decode_kernel<T, D, GP, true, false>,
                                 dim3(static_cast<unsigned>(programs), splits), dim3(1, splits, 1), kWarps * 32, 0,
-                                stream, p, SplitParams{all_rows, splits, nullptr, nullptr, nullptr});
+                                stream, p, SplitParams{all_rows, splits, nullptr, nullptr, nullptr}, RopeCacheParams{});
       return SplitParams{all_rows, 1, nullptr, nullptr, nullptr};  // merged: nothing left to the caller
     }
   }
@@ -486,12 +596,42 @@ SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_r
     s.partial_lse = s.partial_out + partials * p.head_size;
     if (all_rows) s.arrivals = arrival_counters(CounterUser::kAttention, programs, stream);  // null: merge kernel
   }
-  launch_kernel(paged_attention_decode_kernel<T, D, GP, false>, dim3(static_cast<unsigned>(programs), splits),
-                kWarps * 32, 0, stream, p, s);
+  launch_kernel(paged_attention_decode_kernel<T, D, GP, false, false>, dim3(static_cast<unsigned>(programs), splits),
+                kWarps * 32, 0, stream, p, s, RopeCacheParams{});
   if (all_rows && splits > 1 && s.arrivals == nullptr) {
     launch_kernel(paged_attention_merge_kernel<T>, rows * p.num_heads, 128, 0, stream, p, s);
   }
   return s;
+}
+
+// RoPE inside: the cluster launch of kernel <T, D, GP, true, true>, or false (nothing launched)
+// where a pure-decode batch of this size would not run in clusters.
+template <typename T, int D, int GP>
+bool launch_rope(const AttentionParams& p, const RopeCacheParams& r, int64_t max_context) {
+  const int64_t programs = static_cast<int64_t>(p.num_tokens) * p.num_kv_heads;  // GP covers the group
+  const int splits = cluster_splits<T, D, GP, true>(programs, max_context);
+  if (splits == 0) return false;
+  launch_kernel_in_clusters(paged_attention_decode_kernel<T, D, GP, true, true>,
+                            dim3(static_cast<unsigned>(programs), splits), dim3(1, splits, 1), kWarps * 32, 0,
+                            c10::cuda::getCurrentCUDAStream(), p, SplitParams{true, splits, nullptr, nullptr, nullptr},
+                            r);
+  return true;
+}
+
+template <typename T, int D>
+bool dispatch_rope_group(const AttentionParams& p, const RopeCacheParams& r, int64_t max_context) {
+  if (p.group == 1) return launch_rope<T, D, 1>(p, r, max_context);
+  if (p.group == 2) return launch_rope<T, D, 2>(p, r, max_context);
+  if (p.group <= 4) return launch_rope<T, D, 4>(p, r, max_context);
+  if (p.group <= 8) return launch_rope<T, D, 8>(p, r, max_context);
+  return false;  // chunks of a group would each need the new key
+}
+
+template <typename T>
+bool dispatch_rope_head_size(const AttentionParams& p, const RopeCacheParams& r, int64_t max_context) {
+  if (p.head_size == 64) return dispatch_rope_group<T, 64>(p, r, max_context);
+  if (p.head_size == 128) return dispatch_rope_group<T, 128>(p, r, max_context);
+  return false;
 }
 
 template <typename T, int D>
@@ -517,6 +657,15 @@ SplitParams dispatch_head_size(const AttentionParams& p, const at::Tensor& query
 }
 
 }  // namespace
+
+bool launch_rope_paged_attention_decode(const AttentionParams& p, const RopeCacheParams& r, at::ScalarType dtype,
+                                        int64_t max_context) {
+  switch (dtype) {
+    case at::kBFloat16: return dispatch_rope_head_size<__nv_bfloat16>(p, r, max_context);
+    case at::kHalf: return dispatch_rope_head_size<__half>(p, r, max_context);
+    default: return false;
+  }
+}
 
 SplitParams launch_paged_attention_decode(const AttentionParams& p, const at::Tensor& query, bool all_rows,
                                           int64_t max_context, at::Tensor& workspace) {

@@ -11,7 +11,7 @@
 
 namespace compilelm::cuda {
 
-at::Tensor rope_and_cache(
+RopeCacheCall rope_cache_call(
     const at::Tensor& positions,
     const at::Tensor& query,
     const at::Tensor& key,
@@ -48,7 +48,7 @@ at::Tensor rope_and_cache(
               cos_sin_cache.device());
   TORCH_CHECK(q_norm_weight.has_value() == k_norm_weight.has_value(),
               "q_norm_weight and k_norm_weight must be given together (QK-norm) or not at all");
-  at::Tensor q_w, k_w;
+  RopeCacheCall call;
   if (q_norm_weight.has_value()) {
     for (const auto& [w, name] : {std::pair{&*q_norm_weight, "q_norm_weight"}, std::pair{&*k_norm_weight, "k_norm_weight"}}) {
       TORCH_CHECK(w->device() == key.device() && w->dim() == 1 && w->size(0) == head_size &&
@@ -56,31 +56,27 @@ at::Tensor rope_and_cache(
                   name, " must be [", head_size, "] ", key.scalar_type(), " on ", key.device(), ", got ", w->sizes(),
                   " ", w->scalar_type(), " on ", w->device());
     }
-    q_w = q_norm_weight->contiguous();
-    k_w = k_norm_weight->contiguous();
+    call.q_norm_weight = q_norm_weight->contiguous();
+    call.k_norm_weight = k_norm_weight->contiguous();
   }
   TORCH_CHECK(num_tokens < (int64_t{1} << 31) && query.size(1) + 2 * key.size(1) < (int64_t{1} << 18),
               "rope_and_cache on CUDA: too many tokens or heads");
+  call.positions = positions.contiguous();
+  call.slot_mapping = slot_mapping.contiguous();
+  call.cos_sin_cache = cos_sin_cache.contiguous();
 
-  const c10::cuda::CUDAGuard device_guard(key.device());
-  at::Tensor q_out = at::empty(query.sizes(), query.options());
-  if (num_tokens == 0) return q_out;
-  const auto pos = positions.contiguous();
-  const auto slots = slot_mapping.contiguous();
-  const auto cos_sin = cos_sin_cache.contiguous();
-
-  RopeCacheParams p{};
-  p.positions = pos.const_data_ptr<int64_t>();
+  RopeCacheParams& p = call.params;
+  p = RopeCacheParams{};
+  p.positions = call.positions.const_data_ptr<int64_t>();
   p.query = query.const_data_ptr();
   p.key = key.const_data_ptr();
   p.value = value.const_data_ptr();
-  p.cos_sin_cache = cos_sin.const_data_ptr();
-  p.q_norm_weight = q_w.defined() ? q_w.const_data_ptr() : nullptr;
-  p.k_norm_weight = k_w.defined() ? k_w.const_data_ptr() : nullptr;
-  p.q_out = q_out.mutable_data_ptr();
+  p.cos_sin_cache = call.cos_sin_cache.const_data_ptr();
+  p.q_norm_weight = call.q_norm_weight.defined() ? call.q_norm_weight.const_data_ptr() : nullptr;
+  p.k_norm_weight = call.k_norm_weight.defined() ? call.k_norm_weight.const_data_ptr() : nullptr;
   p.key_cache = key_cache.mutable_data_ptr();
   p.value_cache = value_cache.mutable_data_ptr();
-  p.slot_mapping = slots.const_data_ptr<int64_t>();
+  p.slot_mapping = call.slot_mapping.const_data_ptr<int64_t>();
   p.q_stride = query.stride(0);
   p.k_stride = key.stride(0);
   p.v_stride = value.stride(0);
@@ -90,7 +86,29 @@ at::Tensor rope_and_cache(
   p.num_kv_heads = static_cast<int>(key.size(1));
   p.head_size = static_cast<int>(head_size);
   p.eps = static_cast<float>(eps);
-  launch_rope_and_cache(p, key.scalar_type(), cos_sin_fp32);
+  p.cos_sin_fp32 = cos_sin_fp32;
+  return call;
+}
+
+at::Tensor rope_and_cache(
+    const at::Tensor& positions,
+    const at::Tensor& query,
+    const at::Tensor& key,
+    const at::Tensor& value,
+    const at::Tensor& cos_sin_cache,
+    const std::optional<at::Tensor>& q_norm_weight,
+    const std::optional<at::Tensor>& k_norm_weight,
+    double eps,
+    at::Tensor& key_cache,
+    at::Tensor& value_cache,
+    const at::Tensor& slot_mapping) {
+  RopeCacheCall call = rope_cache_call(positions, query, key, value, cos_sin_cache, q_norm_weight, k_norm_weight,
+                                       eps, key_cache, value_cache, slot_mapping);
+  const c10::cuda::CUDAGuard device_guard(key.device());
+  at::Tensor q_out = at::empty(query.sizes(), query.options());
+  if (key.size(0) == 0) return q_out;
+  call.params.q_out = q_out.mutable_data_ptr();
+  launch_rope_and_cache(call.params, key.scalar_type());
   return q_out;
 }
 

@@ -16,6 +16,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "cuda/attention_common.cuh"
 #include "cuda/convert.cuh"
 #include "cuda/launch.cuh"
 #include "cuda/launchers.h"
@@ -90,22 +91,20 @@ __global__ void rope_and_cache_kernel(const RopeCacheParams p) {
     const int j = lane + 32 * e;  // < D / 2
     const float c = cos_j[e], s = sin_j[e];
     const float x1 = x[e], x2 = x[e + E / 2];
-    dst[j] = from_float<T>(x1 * c - x2 * s);
-    dst[j + D / 2] = from_float<T>(x2 * c + x1 * s);
+    dst[j] = from_float<T>(rope_rotate(x1, x2, c, s, /*upper=*/false));
+    dst[j + D / 2] = from_float<T>(rope_rotate(x2, x1, c, s, /*upper=*/true));
   }
 }
 
-// Attention may start early (RopeCacheParams::early_dependents) where the query is at most this
-// wide (num_heads * head_size): small models, whose QKV projection is too short to hide
-// attention's loads before its wait. On an H100: SmolLM2-135M (576) batch 1 step 0.708 -> 0.674
-// ms; Llama-3.1-8B (4096) batch 1 5.80 -> 5.94 ms, its attention blocks then held SMs while the
-// 50 MB QKV projection streamed.
-constexpr int kEarlyDependentsMaxQueryWidth = 1024;
-
+// Attention may start early (RopeCacheParams::early_dependents) in small models (query width at
+// most kSmallModelQueryWidth, launchers.h), whose QKV projection is too short to hide attention's
+// loads before its wait. On an H100: SmolLM2-135M (576) batch 1 step 0.708 -> 0.674 ms;
+// Llama-3.1-8B (4096) batch 1 5.80 -> 5.94 ms, its attention blocks then held SMs while the 50 MB
+// QKV projection streamed.
 template <typename T, typename CosT, int D>
 void launch(const RopeCacheParams& params) {
   RopeCacheParams p = params;
-  p.early_dependents = p.num_heads * p.head_size <= kEarlyDependentsMaxQueryWidth;
+  p.early_dependents = p.num_heads * p.head_size <= kSmallModelQueryWidth;
   const int units = p.num_heads + 2 * p.num_kv_heads;
   const dim3 grid(p.num_tokens, (units + kWarpsPerBlock - 1) / kWarpsPerBlock);
   const auto stream = c10::cuda::getCurrentCUDAStream();
@@ -126,18 +125,18 @@ void dispatch_head_size(const RopeCacheParams& p) {
 }
 
 template <typename T>
-void dispatch_cos(const RopeCacheParams& p, bool cos_sin_fp32) {
-  if (cos_sin_fp32) return dispatch_head_size<T, float>(p);
+void dispatch_cos(const RopeCacheParams& p) {
+  if (p.cos_sin_fp32) return dispatch_head_size<T, float>(p);
   dispatch_head_size<T, T>(p);
 }
 
 }  // namespace
 
-void launch_rope_and_cache(const RopeCacheParams& p, at::ScalarType dtype, bool cos_sin_fp32) {
+void launch_rope_and_cache(const RopeCacheParams& p, at::ScalarType dtype) {
   switch (dtype) {
-    case at::kBFloat16: return dispatch_cos<__nv_bfloat16>(p, cos_sin_fp32);
-    case at::kHalf: return dispatch_cos<__half>(p, cos_sin_fp32);
-    default: return dispatch_cos<float>(p, true);
+    case at::kBFloat16: return dispatch_cos<__nv_bfloat16>(p);
+    case at::kHalf: return dispatch_cos<__half>(p);
+    default: return dispatch_head_size<float, float>(p);  // fp32 activations: an fp32 table (checked)
   }
 }
 
