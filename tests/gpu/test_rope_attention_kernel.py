@@ -60,17 +60,18 @@ def check(args, max_query_len=1, fused=True):
 @pytest.mark.parametrize("contexts", [(1,), (1024,), (300, 1, 1024, 77), (65, 129, 17)])
 def test_fused_equals_two_kernels(dtype, head_size, num_heads, num_kv_heads, contexts):
     # block tables 1024 keys wide (the engine's are max_model_len wide): the split-K is sized from
-    # the width. Up to 16 programs (rows x kv heads) run as clusters on an H100, so fused; more
-    # may run as clusters of fewer splits or not (the launch heuristic decides), either way equal.
+    # the width. Up to 16 programs (rows x kv heads; no padding rows here) run as clusters on an
+    # H100, so fused; more may run as clusters of fewer splits or not (the launch heuristic
+    # decides), either way equal. (Padding rows in the fused kernel: the fallback test's "none".)
     fused = True if len(contexts) * num_kv_heads <= 16 else None
     check(decode_step(contexts, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype,
-                      seed=len(contexts) + head_size, width=64), fused=fused)
+                      seed=len(contexts) + head_size, width=64, num_pad_rows=0), fused=fused)
 
 
 def test_cos_sin_table_in_model_dtype():
     # model.to(dtype) casts the cos/sin buffer: the kernel reads it in the model dtype too
     check(decode_step((500, 33), num_heads=24, num_kv_heads=8, head_size=64, dtype=torch.bfloat16,
-                      cos_dtype=torch.bfloat16, width=64))
+                      cos_dtype=torch.bfloat16, width=64, num_pad_rows=0))
 
 
 @pytest.mark.parametrize("case", ["none", "small model", "batch 64", "head_size 256", "group 16", "fp32",
