@@ -256,8 +256,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   uint4 fresh_raw_k = make_uint4(0, 0, 0, 0);
   if constexpr (kRope) {
     if (holds_fresh) {
-      const int64_t row = static_cast<int64_t>(token) * r.k_stride + kv_head * D + lane_in_row * kVec;
-      fresh_raw_k = *reinterpret_cast<const uint4*>(static_cast<const T*>(r.key) + row);
+      const int64_t k_src = static_cast<int64_t>(token) * r.k_stride + kv_head * D + lane_in_row * kVec;
+      fresh_raw_k = *reinterpret_cast<const uint4*>(static_cast<const T*>(r.key) + k_src);
       fresh_v = *reinterpret_cast<const uint4*>(static_cast<const T*>(r.value) + static_cast<int64_t>(token) * r.v_stride +
                                                 kv_head * D + lane_in_row * kVec);
     }
