@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from compilelm.layers.layernorm import rms_norm
-from compilelm.ops.attention import paged_attention_ref
 from compilelm.layers.rotary_embedding import apply_rope
+from compilelm.ops.attention import paged_attention_ref
 
 
 def rope_and_cache(
