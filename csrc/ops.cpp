@@ -88,6 +88,9 @@ TORCH_LIBRARY(compilelm, m) {
   // x: [M, K], weight: [N, K] (a linear layer's weight) -> x @ weight.T: [M, N]. The CUDA kernel
   // serves M <= 2 (decode at batch 1-2) by streaming the weight once; other inputs use at::mm.
   m.def("skinny_mm(Tensor x, Tensor weight) -> Tensor");
+  // The same product written into out ([M, N], x's dtype, rows contiguous): the LM head of a full
+  // decode graph writes its static logits buffer directly.
+  m.def("skinny_mm_out(Tensor x, Tensor weight, Tensor(a!) out) -> ()");
   // rms_norm(x) @ weight.T, and with residual: residual_out = x + residual;
   // (rms_norm(residual_out) @ weight.T, residual_out). norm_weight: [K]. The norm's roundings are
   // those of compilelm.layers.layernorm.rms_norm; the CUDA kernel does norm and GEMV in one pass at M <= 2.

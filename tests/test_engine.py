@@ -39,7 +39,7 @@ def test_prompt_logprobs_match_full_forward(llm):
     meta = AttentionMetadata(torch.arange(bs, bs + n), torch.tensor([0, n], dtype=torch.int32),
                              torch.tensor([n], dtype=torch.int32), torch.tensor([blocks], dtype=torch.int32), n, n)
     with torch.inference_mode(), set_forward_context(ForwardContext(meta, caches)):
-        logp = torch.log_softmax(model.compute_logits(model(torch.tensor(prompt), torch.arange(n))), -1)
+        logp = torch.log_softmax(model.compute_logits(model(torch.tensor(prompt), torch.arange(n))).float(), -1)
     assert out.prompt_logprobs[0] is None
     for pos in range(1, n):
         entry = out.prompt_logprobs[pos]

@@ -167,7 +167,7 @@ def _forward_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     meta = AttentionMetadata(torch.arange(bs, bs + n), torch.tensor([0, n], dtype=torch.int32),
                              torch.tensor([n], dtype=torch.int32), torch.tensor([blocks], dtype=torch.int32), n, n)
     with torch.inference_mode(), set_forward_context(ForwardContext(meta, caches)):
-        return runner.model.compute_logits(runner.model(torch.tensor(prompt), torch.arange(n)))
+        return runner.model.compute_logits(runner.model(torch.tensor(prompt), torch.arange(n))).float()
 
 
 @pytest.mark.slow

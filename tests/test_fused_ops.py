@@ -115,3 +115,18 @@ def test_rope_paged_attention_cpu():
     torch.testing.assert_close(out, ops.rope_paged_attention_ref(positions, q, k, v, cos_sin, k3, v3, slots, cu,
                                                                  seq_lens, tables, scale))
     torch.library.opcheck(OPS.rope_paged_attention.default, (*args, 1))
+
+
+def test_skinny_mm_out_cpu():
+    """skinny_mm_out (the full graphs' LM head) writes x @ weight.T into a row slice of a wider
+    buffer, as skinny_mm computes it, and nothing else; opcheck; a wrong out is refused."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    w = torch.randn(100, 64, generator=g).to(torch.bfloat16)
+    buffer = torch.full((5, 100), 7.0, dtype=torch.bfloat16)
+    ops.skinny_mm_out(x, w, buffer[:3])
+    torch.testing.assert_close(buffer[:3], ops.skinny_mm(x, w), rtol=0, atol=0)
+    assert (buffer[3:] == 7.0).all()
+    torch.library.opcheck(OPS.skinny_mm_out.default, (x, w, buffer[:3]))
+    with pytest.raises(RuntimeError, match="out must be"):
+        ops.skinny_mm_out(x, w, torch.empty(3, 100))

@@ -46,6 +46,26 @@ def test_argmax_rows_op_on_cpu():
     torch.library.opcheck(torch.ops.compilelm.argmax_rows.default, (x,))
 
 
+def test_model_dtype_logits_sample_as_their_fp32_values():
+    """The LM head hands the sampler logits in the model dtype: greedy rows take their argmax
+    as they are (bf16 ties included), everything else works on their fp32 values, so every
+    choice and logprob equals the fp32 run's."""
+    logits = (torch.randn(4, 300, generator=torch.Generator().manual_seed(5)) * 4).to(torch.bfloat16)
+    logits[0, 10] = logits[0, 200] = logits[0].max() + 1  # a tie: the first index wins
+    greedy = [make_request(temperature=0.0) for _ in range(4)]
+    assert Sampler()(logits, greedy).token_ids == Sampler()(logits.float(), greedy).token_ids
+    assert Sampler()(logits, greedy).token_ids[0] == 10
+
+    def mixed():
+        return [make_request(temperature=0.0, logprobs=2), make_request(temperature=0.8, seed=1, top_k=20),
+                make_request(outputs=[3, 3], repetition_penalty=1.3, temperature=0.0),
+                make_request(temperature=1.0, seed=2, top_p=0.9, logprobs=1)]
+    got, want = Sampler()(logits, mixed()), Sampler()(logits.float(), mixed())
+    assert got.token_ids == want.token_ids
+    for a, b in zip(got.logprobs, want.logprobs):
+        assert (a is None and b is None) or (a.token_ids == b.token_ids and a.logprobs == b.logprobs)
+
+
 def test_sampler_leaves_logits_untouched():
     logits = torch.randn(2, 50)
     before = logits.clone()

@@ -56,13 +56,17 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 def compute_logits(hidden: torch.Tensor, head: VocabParallelEmbedding, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The LM head's fp32 logits, written into `out` if given (a full decode graph's static
-    buffer: the copy is the same one kernel as the fp32 conversion)."""
-    # hidden: [n, hidden] -> logits fp32 [n, vocab]
+    """The LM head's logits in the model dtype, written into `out` if given (a full decode graph's
+    static buffer, which the GEMM writes directly). The sampler converts them to fp32 where it
+    needs to; greedy sampling takes their argmax as they are."""
+    # hidden: [n, hidden] -> logits [n, vocab]
+    if out is not None and get_tp_size() == 1 and hidden.dim() == 2:
+        torch.ops.compilelm.skinny_mm_out.default(hidden, head.weight, out)  # as below, into out
+        return out
     if hidden.is_cuda and hidden.dim() == 2:  # at 1-2 rows the weight-streaming kernel, else cuBLAS
         logits = torch.ops.compilelm.skinny_mm.default(hidden, head.weight)
     else:
         logits = F.linear(hidden, head.weight)
     if get_tp_size() > 1:
         logits = tensor_model_parallel_all_gather(logits, dim=-1)[:, :head.num_embeddings]
-    return logits.float() if out is None else out.copy_(logits)
+    return logits if out is None else out.copy_(logits)

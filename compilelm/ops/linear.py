@@ -39,6 +39,25 @@ def _(x, weight):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
+def skinny_mm_out(x: Tensor, weight: Tensor, out: Tensor) -> Tensor:
+    # x: [M, K]; weight: [N, K]; out: [M, N] in x's dtype <- x @ weight.T
+    torch.ops.compilelm.skinny_mm_out.default(x, weight, out)
+    return out
+
+
+@torch.library.register_kernel("compilelm::skinny_mm_out", "cpu")
+def _(x, weight, out):
+    torch._check(out.shape == (x.shape[0], weight.shape[0]) and out.dtype == x.dtype,
+                 lambda: f"skinny_mm_out: out must be [{x.shape[0]}, {weight.shape[0]}] {x.dtype}, "
+                         f"got {tuple(out.shape)} {out.dtype}")
+    torch.mm(x, weight.t(), out=out)
+
+
+@torch.library.register_fake("compilelm::skinny_mm_out")
+def _(x, weight, out):
+    return None
+
+
 def rms_norm_skinny_mm(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor) -> Tensor:
     # x: [M, K]; norm_weight: [K]; weight: [N, K] -> rms_norm(x) @ weight.T: [M, N]
     return torch.ops.compilelm.rms_norm_skinny_mm.default(x, norm_weight, eps, weight)

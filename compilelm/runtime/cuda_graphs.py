@@ -12,7 +12,7 @@ never waits for the GPU).
 Two kinds of graphs, picked per step by `CudaGraphDispatcher` (full -> piecewise -> eager):
 - FULL: pure-decode batches (one query token per sequence) replay a whole-model graph captured
   at the next capture size, LM head included (every row of such a batch is sampled; the graph
-  writes fp32 logits into the runner's static buffer); the rows past the real batch are padding
+  writes the logits into the runner's static buffer); the rows past the real batch are padding
   that the kernels skip (slot -1: no KV write; q_len 0 and seq_len 0: output row zeroed; block
   table row 0: the null block).
 - PIECEWISE (compiled models, piecewise_graphs.py): any batch of up to the largest capture size

@@ -39,13 +39,14 @@ def graph_memory_estimate(model_config, dtype: torch.dtype, full: list[int], pie
     """The graphs' memory: their shared pool (the largest size's activations: smaller sizes
     reuse it), the piecewise call sites' static copies of the attention outputs
     ([largest piecewise size, num_heads * head_dim] each), the graphs themselves, and the full
-    graphs' logits (the static fp32 buffer, and the LM head's output in the pool)."""
+    graphs' logits (the static buffer in the model dtype, which the LM head writes, and under
+    tensor parallelism the gathered logits in the pool)."""
     mc = model_config
     pool = activation_bytes_per_token(mc, dtype) * max(full + piecewise, default=0)
     attn_copies = (max(piecewise, default=0) * mc.num_hidden_layers * mc.num_attention_heads * mc.head_dim
                    * dtype.itemsize)
     graphs = FULL_GRAPH_BYTES * len(full) + PIECE_GRAPH_BYTES * len(piecewise) * (mc.num_hidden_layers + 1)
-    logits = max(full, default=0) * mc.vocab_size * (4 + dtype.itemsize)  # full graphs' fp32 output + the LM head's own
+    logits = max(full, default=0) * mc.vocab_size * 2 * dtype.itemsize  # the static buffer (+ gathered, under TP)
     return pool + attn_copies + graphs + logits
 
 

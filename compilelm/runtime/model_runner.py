@@ -81,7 +81,7 @@ class ModelRunner:
         # On CUDA, step inputs go through static buffers (pinned host -> device, no sync), which
         # the graphs read; on CPU each step makes fresh tensors.
         self.buffers, self.cuda_graphs, self.piecewise_graphs = None, None, None
-        self.logits_buffer = None  # fp32 [largest full graph, vocab]: the full graphs' output
+        self.logits_buffer = None  # [largest full graph, vocab], model dtype: the full graphs' output
         self.dispatcher = CudaGraphDispatcher()  # no graphs: every step eager
         if device.type == "cuda":
             sched = config.scheduler
@@ -106,7 +106,8 @@ class ModelRunner:
             self.piecewise_graphs.capture(self.forward_fn, self.buffers, self.kv_caches, static, warm)
             stream = self.piecewise_graphs.stream
         if full:
-            self.logits_buffer = torch.empty(max(full), self.model.config.vocab_size, device=self.device)
+            self.logits_buffer = torch.empty(max(full), self.model.config.vocab_size, device=self.device,
+                                             dtype=next(self.model.parameters()).dtype)
             self.cuda_graphs = CUDAGraphRunner(full, pool, stream)
             self.cuda_graphs.capture(self._forward_logits, self.buffers, self.kv_caches, warm)
         self.dispatcher = CudaGraphDispatcher(tuple(full), tuple(piecewise))
@@ -246,8 +247,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_step(self, step: StepInputs) -> torch.Tensor | None:
-        """Runs one forward for the whole plan; returns fp32 logits [len(logits_idx), vocab], or
-        None if no row needs them. The step runs as `prepare_step` dispatched it: a full graph, the
+        """Runs one forward for the whole plan; returns logits [len(logits_idx), vocab] in the model
+        dtype, or None if no row needs them. The step runs as `prepare_step` dispatched it: a full graph, the
         piece graphs of its padded size with attention eager between them, or eagerly."""
         b = step.batch
         pending = None if step.pending_rows is None else (step.pending_rows, step.pending_src)
@@ -259,7 +260,7 @@ class ModelRunner:
             self._scatter_pending(input_ids, step, *pending)
         num_rows = len(b.logits_idx)
         if step.graph_mode == "full":
-            logits = self.cuda_graphs.replay(step.graph_size)  # fp32 [graph_size, vocab], LM head included
+            logits = self.cuda_graphs.replay(step.graph_size)  # [graph_size, vocab], LM head included
             if num_rows == 0:
                 return None
             if _in_order(b.logits_idx):  # every row sampled, in order
@@ -315,7 +316,9 @@ class ModelRunner:
         if not out.sampled:
             return out, None
         logits = logits[:step.num_sampled]
-        for i, req in enumerate(out.sampled):  # user functions of (output token ids, logits row) -> row
+        if any(req.sampling_params.logits_processors for req in out.sampled):
+            logits = logits.float()  # the user functions get fp32 rows
+        for i, req in enumerate(out.sampled):  # user functions of (output token ids, fp32 logits row) -> row
             for fn in req.sampling_params.logits_processors:
                 logits[i] = fn(req.output_token_ids, logits[i])
         return out, self.sampler.sample_tensors(logits, out.sampled)
@@ -330,7 +333,7 @@ class ModelRunner:
                 continue
             req, start = sr.request, sr.num_computed_tokens
             k = req.sampling_params.prompt_logprobs
-            rows = logits[offset:offset + n]
+            rows = logits[offset:offset + n].float()
             targets = torch.tensor(req.prompt_token_ids[start + 1:start + n + 1], device=rows.device)
             lists = gather_logprobs(torch.log_softmax(rows, dim=-1), targets, [k] * n)
             result[req.request_id] = list(zip(range(start + 1, start + n + 1), lists))

@@ -73,9 +73,10 @@ class Sampler:
         return self.sample_tensors(logits, requests).to_output()
 
     def sample_tensors(self, logits: torch.Tensor, requests: list[Request]) -> SampledTensors:
-        # logits: fp32 [num_reqs, vocab]
+        # logits: [num_reqs, vocab], the model's dtype or fp32
         if all(r.plain_greedy for r in requests):  # the common case: one argmax, no host passes
-            return SampledTensors(argmax_rows(logits), [], [])
+            return SampledTensors(argmax_rows(logits), [], [])  # (the argmax of the logits as they are)
+        logits = logits.float()  # everything else works in fp32, as vLLM's sampler does
         params = [r.sampling_params for r in requests]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = None

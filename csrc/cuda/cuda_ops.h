@@ -98,6 +98,7 @@ at::Tensor silu_and_mul(const at::Tensor& x);  // x: [M, 2K] rows (gate | up) ->
 
 // skinny_mm.cu
 at::Tensor skinny_mm(const at::Tensor& x, const at::Tensor& weight);
+void skinny_mm_out(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out);
 at::Tensor rms_norm_skinny_mm(const at::Tensor& x, const at::Tensor& norm_weight, double eps, const at::Tensor& weight);
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_skinny_mm(const at::Tensor& x, const at::Tensor& residual,
                                                                 const at::Tensor& norm_weight, double eps,

@@ -319,6 +319,22 @@ at::Tensor skinny_mm(const at::Tensor& x, const at::Tensor& weight) {
   return y;
 }
 
+void skinny_mm_out(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
+  check_mm(x, weight, "skinny_mm_out");
+  TORCH_CHECK(out.device() == x.device() && out.scalar_type() == x.scalar_type() && out.dim() == 2 &&
+                  out.size(0) == x.size(0) && out.size(1) == weight.size(0) && out.stride(1) == 1,
+              "skinny_mm_out: out must be [", x.size(0), ", ", weight.size(0), "] ", x.scalar_type(), " on ",
+              x.device(), " with contiguous rows, got ", out.sizes(), " ", out.scalar_type(), " on ", out.device(),
+              " with strides ", out.strides());
+  at::Tensor y = out;  // (a handle: the kernel and cuBLAS write out's memory)
+  if (!fast_path(x, weight)) {
+    at::mm_out(y, x, weight.t());
+    return;
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  dispatch<Prologue::kNone>(mm_params(x, weight, y), x.scalar_type(), x.size(0));
+}
+
 at::Tensor rms_norm_skinny_mm(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
                               const at::Tensor& weight) {
   return std::get<0>(norm_mm(x, nullptr, norm_weight, eps, weight, "rms_norm_skinny_mm"));

@@ -2,7 +2,8 @@
 rows (1-2 on the kernel, 3-4 on cuBLAS) in every dtype and on the model shapes (K = 576, 4096,
 14336; odd N), the at::mm fallback (M > 2, unaligned or strided inputs), opcheck, CUDA-graph
 capture; and SkinnyMMPass inside Inductor on a decode-shaped piece (the rewritten graph calls the
-op and matches eager). The same for the norm variants (rms_norm_skinny_mm,
+op and matches eager); skinny_mm_out writes exactly skinny_mm's result into a given buffer (the
+full graphs' LM head). The same for the norm variants (rms_norm_skinny_mm,
 fused_add_rms_norm_skinny_mm: against the reference norm's output in fp64, residual_out exact)
 and RMSNormSkinnyMMFusionPass inside Inductor."""
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from torch.library import opcheck
 
-from compilelm.ops import skinny_mm
+from compilelm.ops import skinny_mm, skinny_mm_out
 from compilelm.passes.skinny_mm import SkinnyMMPass
 
 pytestmark = pytest.mark.gpu
@@ -48,6 +49,25 @@ def test_fallbacks_and_views():
     check(torch.randn(2, 80, device="cuda", generator=g, dtype=torch.bfloat16), w[::2])  # every other row
     with pytest.raises(RuntimeError, match="one dtype"):
         skinny_mm(torch.randn(1, 80, device="cuda"), w)
+
+
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_out_variant_writes_the_same_numbers(m):
+    """skinny_mm_out(x, w, out) == skinny_mm(x, w) bit for bit, at M <= 2 (the kernel) and M = 5
+    (cuBLAS), into a row slice of a wider buffer (the logits buffer at a smaller graph size);
+    nothing outside the slice is touched; a wrong out is refused."""
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, 576, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = torch.randn(4099, 576, device="cuda", generator=g, dtype=torch.bfloat16)
+    buffer = torch.full((8, 4099), 7.0, device="cuda", dtype=torch.bfloat16)
+    assert skinny_mm_out(x, w, buffer[:m]) is not None
+    torch.testing.assert_close(buffer[:m], skinny_mm(x, w), rtol=0, atol=0)
+    assert (buffer[m:] == 7.0).all()
+    with pytest.raises(RuntimeError, match="out must be"):
+        skinny_mm_out(x, w, torch.empty(m, 4099, device="cuda"))  # fp32: not x's dtype
+    with pytest.raises(RuntimeError, match="out must be"):
+        skinny_mm_out(x, w, buffer[:m, :4098])
+    opcheck(torch.ops.compilelm.skinny_mm_out.default, (x, w, buffer[:m]))
 
 
 def test_opcheck_and_graph_capture():
