@@ -17,15 +17,21 @@
 // wait in every kernel let ~6 kernels run ahead, each holding blocks in its wait: SmolLM2-135M's
 // batch-1 graph went 0.68 -> 0.71 ms on an H100.)
 //
-// One exception: in small models (rope_cache_kernels.cu: query width <= 1024) rope_and_cache
-// allows its dependent (decode attention) at its start, so attention reads its metadata, block
-// table and older context rows while the QKV projection two kernels back still runs: the chain
-// of dependent loads before attention's wait (~3 us at batch 1) was otherwise exposed. The
-// kernel after rope_and_cache may therefore start before the one two back is complete; what it
-// reads before its wait is never written during a forward, and its wait returns only after
-// rope_and_cache, which itself waited for that kernel. (H100, SmolLM2-135M
-// batch 1: graph 0.677 -> 0.642 ms, step 0.708 -> 0.674 ms; .gpu_tune chain of 30 layers
-// 21.4 -> 20.4 us per layer. At Llama-3.1-8B shapes it cost 5.80 -> 5.94 ms at batch 1.)
+// Two exceptions allow their dependent at their start:
+// - in small models (rope_cache_kernels.cu: query width <= 1024) rope_and_cache, so decode
+//   attention reads its metadata, block table and older context rows while the QKV projection
+//   two kernels back still runs: the chain of dependent loads before attention's wait (~3 us at
+//   batch 1) was otherwise exposed. (H100, SmolLM2-135M batch 1: graph 0.677 -> 0.642 ms, step
+//   0.708 -> 0.674 ms; .gpu_tune chain of 30 layers 21.4 -> 20.4 us per layer. At Llama-3.1-8B
+//   shapes it cost 5.80 -> 5.94 ms at batch 1.)
+// - the (add +) RMSNorm variants of skinny_mm (skinny_mm.cu: the QKV and gate_up projections
+//   at batch 1-2), so rope_and_cache / decode attention and down_proj's weight stream start
+//   while the projection still waits and normalizes. (H100, SmolLM2-135M batch 1: graph
+//   0.604 -> 0.598-0.599 ms, step 0.624-0.626 -> 0.619-0.620 ms; Llama-3.1-8B batch 1 unchanged,
+//   5.830-5.834 -> 5.826-5.830 ms; the same for every skinny_mm variant: 0.605-0.608 ms.)
+// A kernel may therefore start before the ones two or three back are complete; what it reads
+// before its wait is never written during a forward, and its wait returns only after the kernel
+// just before, which itself waited for the one before it.
 //
 // Before the wait a kernel may read only what no kernel writes during a forward: weights
 // (parameters, the RoPE cos/sin table), a step's metadata (positions, slots, sequence lengths,

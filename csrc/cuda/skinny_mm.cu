@@ -97,10 +97,13 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
     }
   };
   // The first weight loads go out before the PDL wait (launch.cuh: a weight is no kernel's
-  // output), overlapping the kernel before; they stay in flight through the prologue.
+  // output), overlapping the kernel before; they stay in flight through the prologue. The norm
+  // variants (QKV and gate_up projections) let their dependent start at once (launch.cuh).
+  constexpr bool kEarlyDependents = kPro == Prologue::kRms || kPro == Prologue::kAddRms;
+  if constexpr (kEarlyDependents) allow_dependent_kernels();
   load_step(lane);
   wait_for_prior_kernels();  // PDL (launch.cuh): before any read of earlier kernels' outputs
-  allow_dependent_kernels();
+  if constexpr (!kEarlyDependents) allow_dependent_kernels();
 
   if constexpr (kPro == Prologue::kSiluMul) {  // x row: gate [k] | up [k] -> T(T(silu(gate)) * up)
 #pragma unroll
