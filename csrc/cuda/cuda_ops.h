@@ -56,6 +56,8 @@ struct AttentionCall {  // paged_attention.cpp; params.out unset
 AttentionCall attention_call(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                              const at::Tensor& block_tables, double scale);
+// paged_attention's launch half: writes out (shaped like the call's query, on its device).
+void run_attention(AttentionCall& call, const at::Tensor& out, int64_t max_query_len);
 
 struct RopeCacheCall {  // rope_and_cache.cpp; params.q_out unset
   RopeCacheParams params;
@@ -66,6 +68,8 @@ RopeCacheCall rope_cache_call(const at::Tensor& positions, const at::Tensor& que
                               const std::optional<at::Tensor>& q_norm_weight,
                               const std::optional<at::Tensor>& k_norm_weight, double eps, at::Tensor& key_cache,
                               at::Tensor& value_cache, const at::Tensor& slot_mapping);
+// rope_and_cache's launch half: returns the rotated query (on query's device, its guard set).
+at::Tensor run_rope_and_cache(RopeCacheCall& call, const at::Tensor& query);
 
 // rope_and_cache.cpp
 at::Tensor rope_and_cache(

@@ -87,21 +87,28 @@ at::Tensor paged_attention(
     int64_t max_query_len) {
   TORCH_CHECK(max_query_len >= 0, "max_query_len must be >= 0 (0 = unknown), got ", max_query_len);
   AttentionCall call = attention_call(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale);
-  AttentionParams& p = call.params;
   const c10::cuda::CUDAGuard device_guard(query.device());
   at::Tensor out = at::empty(query.sizes(), query.options());
-  if (query.size(0) == 0) return out;
-  if (p.num_seqs == 0) return out.zero_();  // every row is padding
+  run_attention(call, out, max_query_len);
+  return out;
+}
+
+void run_attention(AttentionCall& call, const at::Tensor& out, int64_t max_query_len) {
+  AttentionParams& p = call.params;
+  if (p.num_tokens == 0) return;
+  if (p.num_seqs == 0) {  // every row is padding
+    out.zero_();
+    return;
+  }
   p.out = out.mutable_data_ptr();
 
   at::Tensor workspace;  // split-K partials: alive until both kernels are enqueued
-  if (max_query_len != 1 && prefill_supported(query.scalar_type(), p.head_size, p.group)) {
-    const SplitParams splits = launch_paged_attention_decode(p, query, /*all_rows=*/false, call.max_context, workspace);
-    launch_paged_attention_prefill(p, splits, query);
+  if (max_query_len != 1 && prefill_supported(out.scalar_type(), p.head_size, p.group)) {  // (out: the query's dtype)
+    const SplitParams splits = launch_paged_attention_decode(p, out, /*all_rows=*/false, call.max_context, workspace);
+    launch_paged_attention_prefill(p, splits, out);
   } else {
-    launch_paged_attention_decode(p, query, /*all_rows=*/true, call.max_context, workspace);
+    launch_paged_attention_decode(p, out, /*all_rows=*/true, call.max_context, workspace);
   }
-  return out;
 }
 
 // A pure-decode batch in one kernel where the decode kernel covers it (launchers.h) and the model
@@ -127,25 +134,30 @@ at::Tensor rope_paged_attention(
     double scale,
     int64_t max_query_len) {
   TORCH_CHECK(max_query_len >= 0, "max_query_len must be >= 0 (0 = unknown), got ", max_query_len);
+  // every argument of both ops checked once: rope's here, attention's below (on the raw query
+  // where it qualifies for the kernel: the rotated one has its shape, dtype and device)
+  RopeCacheCall rope = rope_cache_call(positions, query, key, value, cos_sin_cache, std::nullopt, std::nullopt, 0.0,
+                                       key_cache, value_cache, slot_mapping);
+  const c10::cuda::CUDAGuard device_guard(query.device());
+  const auto aligned = [](const at::Tensor& t) {  // 16-byte rows: the kernel's vector loads
+    return t.stride(0) * t.element_size() % 16 == 0 && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+  };
   if (max_query_len == 1 && query.size(0) > 0 && seq_lens.size(0) > 0 &&
-      query.size(1) * query.size(2) > kSmallModelQueryWidth) {
-    const RopeCacheCall rope = rope_cache_call(positions, query, key, value, cos_sin_cache, std::nullopt,
-                                               std::nullopt, 0.0, key_cache, value_cache, slot_mapping);
+      query.size(1) * query.size(2) > kSmallModelQueryWidth && aligned(query) && aligned(key) && aligned(value) &&
+      aligned(rope.cos_sin_cache)) {
     AttentionCall call = attention_call(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale);
-    const auto aligned = [](const at::Tensor& t) {  // 16-byte rows: the kernel's vector loads
-      return t.stride(0) * t.element_size() % 16 == 0 && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
-    };
-    if (aligned(key) && aligned(value) && aligned(rope.cos_sin_cache)) {
-      const c10::cuda::CUDAGuard device_guard(query.device());
-      at::Tensor out = at::empty(query.sizes(), query.options());
-      call.params.out = out.mutable_data_ptr();
-      if (launch_rope_paged_attention_decode(call.params, rope.params, query.scalar_type(), call.max_context)) {
-        return out;
-      }
+    at::Tensor out = at::empty(query.sizes(), query.options());
+    call.params.out = out.mutable_data_ptr();
+    if (launch_rope_paged_attention_decode(call.params, rope.params, query.scalar_type(), call.max_context)) {
+      return out;
     }
+    const at::Tensor rotated = run_rope_and_cache(rope, query);  // declined (too many programs): the two ops
+    call.params.query = rotated.const_data_ptr();
+    call.params.q_stride = rotated.stride(0);
+    run_attention(call, out, max_query_len);
+    return out;
   }
-  const at::Tensor rotated = rope_and_cache(positions, query, key, value, cos_sin_cache, std::nullopt, std::nullopt,
-                                            0.0, key_cache, value_cache, slot_mapping);
+  const at::Tensor rotated = run_rope_and_cache(rope, query);
   return paged_attention(rotated, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_query_len);
 }
 

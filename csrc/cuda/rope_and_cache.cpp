@@ -105,10 +105,14 @@ at::Tensor rope_and_cache(
   RopeCacheCall call = rope_cache_call(positions, query, key, value, cos_sin_cache, q_norm_weight, k_norm_weight,
                                        eps, key_cache, value_cache, slot_mapping);
   const c10::cuda::CUDAGuard device_guard(key.device());
+  return run_rope_and_cache(call, query);
+}
+
+at::Tensor run_rope_and_cache(RopeCacheCall& call, const at::Tensor& query) {
   at::Tensor q_out = at::empty(query.sizes(), query.options());
-  if (key.size(0) == 0) return q_out;
+  if (call.params.num_tokens == 0) return q_out;
   call.params.q_out = q_out.mutable_data_ptr();
-  launch_rope_and_cache(call.params, key.scalar_type());
+  launch_rope_and_cache(call.params, query.scalar_type());
   return q_out;
 }
 
