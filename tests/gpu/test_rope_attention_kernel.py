@@ -75,7 +75,7 @@ def test_cos_sin_table_in_model_dtype():
 
 
 @pytest.mark.parametrize("case", ["none", "small model", "batch 64", "head_size 256", "group 16", "fp32",
-                                  "mixed batch", "no clusters"])
+                                  "mixed batch", "no clusters", "unaligned query"])
 def test_fallbacks_run_the_two_kernels(case):
     kwargs = dict(num_heads=16, num_kv_heads=2, head_size=128, dtype=torch.bfloat16)
     contexts, max_query_len = (40, 700), 1
@@ -92,8 +92,13 @@ def test_fallbacks_run_the_two_kernels(case):
     elif case == "mixed batch":  # max_query_len 0: unknown, so not promised pure decode
         max_query_len = 0
     previous = torch.ops.compilelm.set_cluster_merge(case != "no clusters")
+    args = decode_step(contexts, **kwargs)
+    if case == "unaligned query":  # rows 2 bytes past 16-byte vectors: no vector loads of the raw query
+        q = args[1]
+        wide = torch.zeros(q.shape[0], q[0].numel() + 1, dtype=q.dtype, device=q.device)
+        args[1] = wide[:, 1:].view(q.shape).copy_(q)
     try:
-        check(decode_step(contexts, **kwargs), max_query_len, fused=case == "none")
+        check(args, max_query_len, fused=case == "none")
     finally:
         torch.ops.compilelm.set_cluster_merge(previous)
 
