@@ -15,8 +15,6 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from compilelm.config import EngineConfig, SchedulerConfig
 from compilelm.models.loader import load_model_config, resolve_model
 from compilelm.models.tokenizer import load_tokenizer
