@@ -248,8 +248,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run_step(self, step: StepInputs) -> torch.Tensor | None:
         """Runs one forward for the whole plan; returns logits [len(logits_idx), vocab] in the model
-        dtype, or None if no row needs them. The step runs as `prepare_step` dispatched it: a full graph, the
-        piece graphs of its padded size with attention eager between them, or eagerly."""
+        dtype, or None if no row needs them. The step runs as `prepare_step` dispatched it: a full
+        graph, the piece graphs of its padded size with attention eager between them, or eagerly."""
         b = step.batch
         pending = None if step.pending_rows is None else (step.pending_rows, step.pending_src)
         input_ids, positions, meta, logits_idx, pending = self.prepare_inputs(b, step.graph_mode, step.graph_size,
