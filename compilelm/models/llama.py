@@ -116,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        # hidden: [n, hidden_size] -> logits [n, vocab_size] in the model dtype (gathered from every rank), in `out` if given
+        # hidden: [n, hidden_size] -> logits [n, vocab_size], model dtype (gathered from every rank), in `out` if given
         return compute_logits(hidden, self.model.embed_tokens if self.lm_head is None else self.lm_head, out)
 
     def attention_layer_names(self) -> list[str]:
