@@ -316,10 +316,9 @@ class ModelRunner:
         if not out.sampled:
             return out, None
         logits = logits[:step.num_sampled]
-        if any(req.sampling_params.logits_processors for req in out.sampled):
-            logits = logits.float()  # the user functions get fp32 rows
         for i, req in enumerate(out.sampled):  # user functions of (output token ids, fp32 logits row) -> row
             for fn in req.sampling_params.logits_processors:
+                logits = logits.float()  # fp32 rows for the user functions (a copy once, then a no-op)
                 logits[i] = fn(req.output_token_ids, logits[i])
         return out, self.sampler.sample_tensors(logits, out.sampled)
 
