@@ -91,6 +91,9 @@ TORCH_LIBRARY(compilelm, m) {
   // The same product written into out ([M, N], x's dtype, rows contiguous): the LM head of a full
   // decode graph writes its static logits buffer directly.
   m.def("skinny_mm_out(Tensor x, Tensor weight, Tensor(a!) out) -> ()");
+  // skinny_mm_out, then argmax = argmax_rows(out) (int64 [M]): a full decode graph's LM head and
+  // greedy sampling, one kernel on CUDA at M <= 2.
+  m.def("skinny_mm_argmax_out(Tensor x, Tensor weight, Tensor(a!) out, Tensor(b!) argmax) -> ()");
   // rms_norm(x) @ weight.T, and with residual: residual_out = x + residual;
   // (rms_norm(residual_out) @ weight.T, residual_out). norm_weight: [K]. The norm's roundings are
   // those of compilelm.layers.layernorm.rms_norm; the CUDA kernel does norm and GEMV in one pass at M <= 2.

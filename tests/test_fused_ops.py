@@ -130,3 +130,23 @@ def test_skinny_mm_out_cpu():
     torch.library.opcheck(OPS.skinny_mm_out.default, (x, w, buffer[:3]))
     with pytest.raises(RuntimeError, match="out must be"):
         ops.skinny_mm_out(x, w, torch.empty(3, 100))
+
+
+def test_skinny_mm_argmax_out_cpu():
+    """skinny_mm_argmax_out: the logits as skinny_mm_out writes them and each row's first maximum
+    (a tie made on purpose goes to the lower column); opcheck; a wrong argmax buffer is refused."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    w = torch.randn(100, 64, generator=g).to(torch.bfloat16)
+    first = int(ops.skinny_mm(x, w)[1].float().argmax())
+    w[99] = w[first]  # row 1: the same maximum twice
+    buffer = torch.full((5, 100), 7.0, dtype=torch.bfloat16)
+    ids = torch.full((5,), -1, dtype=torch.int64)
+    ops.skinny_mm_argmax_out(x, w, buffer[:3], ids[:3])
+    want = ops.skinny_mm(x, w)
+    torch.testing.assert_close(buffer[:3], want, rtol=0, atol=0)
+    assert ids[:3].tolist() == [row.float().argmax().item() for row in want] and ids[1] == first
+    assert (buffer[3:] == 7.0).all() and (ids[3:] == -1).all()
+    torch.library.opcheck(OPS.skinny_mm_argmax_out.default, (x, w, buffer[:3], ids[:3]))
+    with pytest.raises(RuntimeError, match="argmax must be"):
+        ops.skinny_mm_argmax_out(x, w, buffer[:3], torch.empty(3, dtype=torch.int32))

@@ -58,6 +58,26 @@ def _(x, weight, out):
     return None
 
 
+def skinny_mm_argmax_out(x: Tensor, weight: Tensor, out: Tensor, argmax: Tensor) -> Tensor:
+    # out: [M, N] <- x @ weight.T (x's dtype); argmax: int64 [M] <- each row's first maximum of out
+    torch.ops.compilelm.skinny_mm_argmax_out.default(x, weight, out, argmax)
+    return out
+
+
+@torch.library.register_kernel("compilelm::skinny_mm_argmax_out", "cpu")
+def _(x, weight, out, argmax):
+    torch._check(argmax.shape == (x.shape[0],) and argmax.dtype == torch.int64,
+                 lambda: f"skinny_mm_argmax_out: argmax must be int64 [{x.shape[0]}], got {tuple(argmax.shape)} "
+                         f"{argmax.dtype}")
+    torch.ops.compilelm.skinny_mm_out.default(x, weight, out)
+    torch.argmax(out, dim=-1, out=argmax)
+
+
+@torch.library.register_fake("compilelm::skinny_mm_argmax_out")
+def _(x, weight, out, argmax):
+    return None
+
+
 def rms_norm_skinny_mm(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor) -> Tensor:
     # x: [M, K]; norm_weight: [K]; weight: [N, K] -> rms_norm(x) @ weight.T: [M, N]
     return torch.ops.compilelm.rms_norm_skinny_mm.default(x, norm_weight, eps, weight)

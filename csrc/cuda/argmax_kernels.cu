@@ -110,19 +110,23 @@ __global__ void __launch_bounds__(kThreads) argmax_rows_kernel(const ArgmaxParam
 
 }  // namespace
 
-at::Tensor argmax_rows(const at::Tensor& x) {
+void argmax_rows_into(const at::Tensor& x, const at::Tensor& out) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1,
               "argmax_rows: x must be a CUDA tensor [rows, vocab] (vocab > 0, columns contiguous), got ", x.sizes(),
               " with strides ", x.strides());
   TORCH_CHECK(x.size(1) < INT_MAX, "argmax_rows: vocab must be below 2^31, got ", x.size(1));
   TORCH_CHECK(x.size(0) <= 65535, "argmax_rows: at most 65535 rows, got ", x.size(0));
+  TORCH_CHECK(out.device() == x.device() && out.scalar_type() == at::kLong && out.dim() == 1 &&
+                  out.size(0) == x.size(0) && out.stride(0) == 1,
+              "argmax_rows: out must be int64 [", x.size(0), "] contiguous on ", x.device(), ", got ", out.sizes(), " ",
+              out.scalar_type(), " on ", out.device());
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0);
-  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
-  if (rows == 0) return out;
+  if (rows == 0) return;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor ids = out;  // (a handle: the kernel writes out's memory)
   ArgmaxParams p{x.data_ptr(), x.stride(0), static_cast<int>(x.size(1)), 1, nullptr, nullptr, nullptr,
-                 out.mutable_data_ptr<int64_t>()};
+                 ids.mutable_data_ptr<int64_t>()};
   const int chunks = static_cast<int>((x.size(1) + kChunk - 1) / kChunk);
   at::Tensor workspace;
   if (chunks > 1) {
@@ -141,6 +145,11 @@ at::Tensor argmax_rows(const at::Tensor& x) {
     case at::kHalf: launch_kernel(argmax_rows_kernel<__half>, grid, kThreads, 0, stream, p); break;
     default: TORCH_CHECK(false, "argmax_rows: x must be float32, bfloat16 or float16, got ", x.scalar_type());
   }
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  at::Tensor out = at::empty({x.dim() == 2 ? x.size(0) : 0}, x.options().dtype(at::kLong));
+  argmax_rows_into(x, out);
   return out;
 }
 

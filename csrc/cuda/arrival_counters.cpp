@@ -7,9 +7,9 @@
 namespace compilelm::cuda {
 
 int* arrival_counters(CounterUser user, int64_t count, cudaStream_t stream) {
-  constexpr int kUsers = 2, kDevices = 64;
+  constexpr int kDevices = 64;
   static std::mutex mutex;
-  static int* counters[kDevices] = {};  // kUsers ranges of kArrivalCounters
+  static int* counters[kDevices] = {};  // kCounterUsers ranges of kArrivalCounters
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   if (count > kArrivalCounters || device >= kDevices) return nullptr;
@@ -19,8 +19,8 @@ int* arrival_counters(CounterUser user, int64_t count, cudaStream_t stream) {
     C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
     if (capturing != cudaStreamCaptureStatusNone) return nullptr;
     int* buffer = nullptr;  // kept for the process's life, like a cuBLAS workspace
-    C10_CUDA_CHECK(cudaMalloc(&buffer, kUsers * kArrivalCounters * sizeof(int)));
-    C10_CUDA_CHECK(cudaMemset(buffer, 0, kUsers * kArrivalCounters * sizeof(int)));
+    C10_CUDA_CHECK(cudaMalloc(&buffer, kCounterUsers * kArrivalCounters * sizeof(int)));
+    C10_CUDA_CHECK(cudaMemset(buffer, 0, kCounterUsers * kArrivalCounters * sizeof(int)));
     counters[device] = buffer;
   }
   return counters[device] + static_cast<int>(user) * kArrivalCounters;

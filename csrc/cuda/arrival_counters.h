@@ -1,6 +1,8 @@
 // Per-device arrival counters for kernels whose blocks merge their work in the last block to
-// arrive (decode attention's split-K, argmax_rows): all zero between launches, every launch leaves
-// them as it found them. Each user has its own range, so two users never share a counter.
+// arrive (decode attention's split-K, argmax_rows, skinny_mm_argmax_out): all zero between
+// launches, every launch leaves them as it found them. Each user has its own range, so two users
+// never share a counter. kLmHeadArgmax's range: the counter at [0], then from int 2 on (8-byte
+// aligned) one 64-bit running-maximum key per row.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,7 +11,8 @@
 
 namespace compilelm::cuda {
 
-enum class CounterUser { kAttention = 0, kArgmax = 1 };
+enum class CounterUser { kAttention = 0, kArgmax = 1, kLmHeadArgmax = 2 };
+constexpr int kCounterUsers = 3;
 
 constexpr int64_t kArrivalCounters = 1 << 16;  // per user and device
 

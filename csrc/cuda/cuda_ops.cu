@@ -16,6 +16,7 @@ TORCH_LIBRARY_IMPL(compilelm, CUDA, m) {
   m.impl("fused_add_rms_norm", &compilelm::cuda::fused_add_rms_norm);
   m.impl("skinny_mm", &compilelm::cuda::skinny_mm);
   m.impl("skinny_mm_out", &compilelm::cuda::skinny_mm_out);
+  m.impl("skinny_mm_argmax_out", &compilelm::cuda::skinny_mm_argmax_out);
   m.impl("rms_norm_skinny_mm", &compilelm::cuda::rms_norm_skinny_mm);
   m.impl("fused_add_rms_norm_skinny_mm", &compilelm::cuda::fused_add_rms_norm_skinny_mm);
   m.impl("silu_mul_skinny_mm", &compilelm::cuda::silu_mul_skinny_mm);

@@ -103,6 +103,8 @@ at::Tensor silu_and_mul(const at::Tensor& x);  // x: [M, 2K] rows (gate | up) ->
 // skinny_mm.cu
 at::Tensor skinny_mm(const at::Tensor& x, const at::Tensor& weight);
 void skinny_mm_out(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out);
+void skinny_mm_argmax_out(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out,
+                          const at::Tensor& argmax);
 at::Tensor rms_norm_skinny_mm(const at::Tensor& x, const at::Tensor& norm_weight, double eps, const at::Tensor& weight);
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_skinny_mm(const at::Tensor& x, const at::Tensor& residual,
                                                                 const at::Tensor& norm_weight, double eps,
@@ -111,6 +113,7 @@ at::Tensor silu_mul_skinny_mm(const at::Tensor& x, const at::Tensor& weight);
 
 // argmax_kernels.cu
 at::Tensor argmax_rows(const at::Tensor& x);
+void argmax_rows_into(const at::Tensor& x, const at::Tensor& out);  // out: int64 [rows]; a helper
 
 // allreduce_kernels.cu
 at::Tensor custom_all_reduce(const at::Tensor& x, at::IntArrayRef buffer_ptrs, int64_t rank, int64_t buffer_bytes);

@@ -27,6 +27,16 @@
 // more than the launch it saved: SmolLM2-135M's decode graph 0.714 -> 0.744 ms on an H100.)
 // The pass limits K: every block recomputes all K activations.
 //
+// skinny_mm_argmax_out is the LM head of a full decode graph with greedy sampling's argmax in the
+// same kernel: the grid is one wave of resident blocks whose warps walk the vocabulary (a warp's
+// next row's first loads go out before it reduces the current one); each warp keeps its best
+// logit as a 64-bit key (the value's bits made orderable, then the inverted column: the larger key
+// is the larger value, ties go to the lower column, NaN beats everything, -0 equals +0), each
+// block merges its warps' keys into the row's running maximum with one atomicMax, and the last
+// block to arrive writes the indices and zeroes the keys and the counter. The argmax is that of the
+// logits as stored (rounded to T), so it equals argmax_rows of `out`. Without it the argmax was a
+// kernel of its own after the graph (~4 us at batch 1 on an H100, then the launch gap).
+//
 // More than kMaxRows rows, or layouts the kernel does not take (unaligned, strided K, mixed
 // dtypes, rows over kMaxSharedBytes), go to at::mm (after the norm kernel of fused_ops.cpp for
 // the norm ops, after the SiLU-and-mul kernel for silu_mul_skinny_mm: as many kernels as the
@@ -37,6 +47,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <ATen/cuda/CUDAContext.h>
+
+#include "cuda/arrival_counters.h"
 #include "cuda/attention_common.cuh"
 #include "cuda/convert.cuh"
 #include "cuda/cuda_ops.h"
@@ -214,6 +227,105 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
   }
 }
 
+
+// The LM head's argmax (skinny_mm_argmax_out): each row's running maximum, and the count of the
+// blocks that merged into it (arrival_counters.h: kLmHeadArgmax). (Spreading the blocks' atomics
+// over 32 addresses measured the same on an H100.)
+struct ArgmaxSink {
+  int* arrivals;             // zero between launches
+  unsigned long long* keys;  // [kMaxRows], zero between launches
+  int64_t* ids;              // [M]: the argmax of each row
+};
+constexpr int kArgmaxCounterInts = 2 + 2 * kMaxRows;  // the counter, then (8-byte aligned) the keys
+
+// Orders (value, column) as argmax_rows does: larger value, then lower column; NaN is the maximum.
+__device__ __forceinline__ unsigned long long argmax_key(float v, int n) {
+  unsigned int bits = __float_as_uint(v == 0.f ? 0.f : v);  // -0 == +0
+  bits = isnan(v) ? 0xffffffffu : (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
+  return (static_cast<unsigned long long>(bits) << 32) | (0xffffffffu - static_cast<unsigned int>(n));
+}
+
+template <typename T, int M>
+__global__ void __launch_bounds__(kWarps * 32) skinny_mm_argmax_kernel(const SkinnyParams p, const ArgmaxSink sink) {
+  constexpr int kVec = 16 / sizeof(T);
+  __shared__ unsigned long long s_best[kWarps][M];
+  __shared__ bool s_last;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int stride = gridDim.x * kWarps, chunks = p.k / kVec;
+  int n = blockIdx.x * kWarps + warp;  // this warp's columns: n, n + stride, ...
+  uint4 wv[kLoads];
+  const auto load_step = [&](int col, int base) {
+    const T* row = static_cast<const T*>(p.w) + static_cast<int64_t>(col < p.n_cols ? col : 0) * p.w_stride;
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int c = base + i * 32;
+      wv[i] = col < p.n_cols && c < chunks ? load_weight(row + c * kVec) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  load_step(n, lane);  // before the PDL wait, as skinny_mm_kernel
+  wait_for_prior_kernels();
+  allow_dependent_kernels();
+  unsigned long long best[M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) best[m] = 0;
+  for (; n < p.n_cols; n += stride) {
+    float acc[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] = 0.f;
+    for (int base = lane; base < chunks; base += 32 * kLoads) {
+      if (base != lane) load_step(n, base);
+#pragma unroll
+      for (int i = 0; i < kLoads; ++i) {
+        const int c = base + i * 32;
+        if (c >= chunks) continue;
+        float wf[kVec];
+        widen<T>(wv[i], wf);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          float xf[kVec];
+          widen<T>(__ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + m * p.x_stride + c * kVec)), xf);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) acc[m] += xf[e] * wf[e];
+        }
+      }
+    }
+    load_step(n + stride, lane);  // the next column's first loads fly during this one's reduction
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], offset);
+      if (lane == 0) {
+        const T y = from_float<T>(acc[m]);
+        static_cast<T*>(p.y)[m * p.y_stride + n] = y;
+        best[m] = max(best[m], argmax_key(to_float(y), n));
+      }
+    }
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) s_best[warp][m] = best[m];
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      unsigned long long b = s_best[0][m];
+#pragma unroll
+      for (int w = 1; w < kWarps; ++w) b = max(b, s_best[w][m]);
+      if (b != 0) atomicMax(sink.keys + m, b);
+    }
+    __threadfence();  // the keys before the count (release)
+    s_last = atomicAdd(sink.arrivals, 1) == static_cast<int>(gridDim.x) - 1;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  if (threadIdx.x < M) {  // every block's atomicMax came before its count: the keys are final
+    const unsigned long long key = atomicExch(sink.keys + threadIdx.x, 0ull);  // read, and zero for the next launch
+    sink.ids[threadIdx.x] = 0xffffffffu - static_cast<unsigned int>(key & 0xffffffffu);
+  }
+  if (threadIdx.x == 0) *sink.arrivals = 0;
+}
+
 template <typename T, Prologue kPro>
 void launch(const SkinnyParams& p, int64_t rows) {
   const dim3 grid((p.n_cols + kWarps - 1) / kWarps), block(kWarps * 32);
@@ -223,6 +335,29 @@ void launch(const SkinnyParams& p, int64_t rows) {
     launch_kernel(skinny_mm_kernel<T, 1, kPro>, grid, block, shared, stream, p);
   } else {
     launch_kernel(skinny_mm_kernel<T, 2, kPro>, grid, block, shared, stream, p);
+  }
+}
+
+// One wave: as many blocks as are resident at once (fewer if the columns run out first).
+template <typename T, int M>
+void launch_argmax_rows(const SkinnyParams& p, const ArgmaxSink& sink, cudaStream_t stream) {
+  static const int per_sm = [] {  // per kernel instance
+    int blocks = 0;
+    C10_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, skinny_mm_argmax_kernel<T, M>, kWarps * 32, 0));
+    return std::max(blocks, 1);
+  }();
+  const int64_t wave = static_cast<int64_t>(per_sm) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((p.n_cols + kWarps - 1) / kWarps, wave)));
+  launch_kernel(skinny_mm_argmax_kernel<T, M>, grid, dim3(kWarps * 32), 0, stream, p, sink);
+}
+
+template <typename T>
+void launch_argmax(const SkinnyParams& p, const ArgmaxSink& sink, int64_t rows, cudaStream_t stream) {
+  if (rows == 1) {
+    launch_argmax_rows<T, 1>(p, sink, stream);
+  } else {
+    launch_argmax_rows<T, 2>(p, sink, stream);
   }
 }
 
@@ -248,6 +383,14 @@ void check_mm(const at::Tensor& x, const at::Tensor& weight, const char* op) {
               ": x must be [M, K] and weight [N, K], got ", x.sizes(), " and ", weight.sizes());
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), op, ": x and weight must have one dtype, got ",
               x.scalar_type(), " and ", weight.scalar_type());
+}
+
+void skinny_mm_out_check(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out, const char* op) {
+  TORCH_CHECK(out.device() == x.device() && out.scalar_type() == x.scalar_type() && out.dim() == 2 &&
+                  out.size(0) == x.size(0) && out.size(1) == weight.size(0) && out.stride(1) == 1,
+              op, ": out must be [", x.size(0), ", ", weight.size(0), "] ", x.scalar_type(), " on ", x.device(),
+              " with contiguous rows, got ", out.sizes(), " ", out.scalar_type(), " on ", out.device(),
+              " with strides ", out.strides());
 }
 
 // The kernel takes x and weight: M <= kMaxRows, a dtype it has, whole aligned 16-byte rows.
@@ -324,11 +467,7 @@ at::Tensor skinny_mm(const at::Tensor& x, const at::Tensor& weight) {
 
 void skinny_mm_out(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
   check_mm(x, weight, "skinny_mm_out");
-  TORCH_CHECK(out.device() == x.device() && out.scalar_type() == x.scalar_type() && out.dim() == 2 &&
-                  out.size(0) == x.size(0) && out.size(1) == weight.size(0) && out.stride(1) == 1,
-              "skinny_mm_out: out must be [", x.size(0), ", ", weight.size(0), "] ", x.scalar_type(), " on ",
-              x.device(), " with contiguous rows, got ", out.sizes(), " ", out.scalar_type(), " on ", out.device(),
-              " with strides ", out.strides());
+  skinny_mm_out_check(x, weight, out, "skinny_mm_out");
   at::Tensor y = out;  // (a handle: the kernel and cuBLAS write out's memory)
   if (!fast_path(x, weight)) {
     at::mm_out(y, x, weight.t());
@@ -336,6 +475,33 @@ void skinny_mm_out(const at::Tensor& x, const at::Tensor& weight, const at::Tens
   }
   const c10::cuda::CUDAGuard guard(x.device());
   dispatch<Prologue::kNone>(mm_params(x, weight, y), x.scalar_type(), x.size(0));
+}
+
+void skinny_mm_argmax_out(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out,
+                          const at::Tensor& argmax) {
+  check_mm(x, weight, "skinny_mm_argmax_out");
+  TORCH_CHECK(argmax.device() == x.device() && argmax.scalar_type() == at::kLong && argmax.dim() == 1 &&
+                  argmax.size(0) == x.size(0) && argmax.stride(0) == 1,
+              "skinny_mm_argmax_out: argmax must be int64 [", x.size(0), "] contiguous on ", x.device(), ", got ",
+              argmax.sizes(), " ", argmax.scalar_type(), " on ", argmax.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  int* counters = fast_path(x, weight) ? arrival_counters(CounterUser::kLmHeadArgmax, kArgmaxCounterInts, stream)
+                                       : nullptr;  // null also while capturing before the first call
+  if (counters == nullptr) {  // cuBLAS or the plain kernel, then argmax_rows: two kernels
+    skinny_mm_out(x, weight, out);
+    argmax_rows_into(out, argmax);
+    return;
+  }
+  skinny_mm_out_check(x, weight, out, "skinny_mm_argmax_out");
+  at::Tensor y = out, ids = argmax;  // (handles: the kernel writes their memory)
+  const SkinnyParams p = mm_params(x, weight, y);
+  const ArgmaxSink sink{counters, reinterpret_cast<unsigned long long*>(counters + 2), ids.mutable_data_ptr<int64_t>()};
+  switch (x.scalar_type()) {
+    case at::kBFloat16: return launch_argmax<__nv_bfloat16>(p, sink, x.size(0), stream);
+    case at::kHalf: return launch_argmax<__half>(p, sink, x.size(0), stream);
+    default: return launch_argmax<float>(p, sink, x.size(0), stream);
+  }
 }
 
 at::Tensor rms_norm_skinny_mm(const at::Tensor& x, const at::Tensor& norm_weight, double eps,

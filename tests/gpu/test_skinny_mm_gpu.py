@@ -3,7 +3,8 @@ rows (1-2 on the kernel, 3-4 on cuBLAS) in every dtype and on the model shapes (
 14336; odd N), the at::mm fallback (M > 2, unaligned or strided inputs), opcheck, CUDA-graph
 capture; and SkinnyMMPass inside Inductor on a decode-shaped piece (the rewritten graph calls the
 op and matches eager); skinny_mm_out writes exactly skinny_mm's result into a given buffer (the
-full graphs' LM head). The same for the norm variants (rms_norm_skinny_mm,
+full graphs' LM head), and skinny_mm_argmax_out the argmax of those logits too (ties, NaN, repeated
+calls, graph replays). The same for the norm variants (rms_norm_skinny_mm,
 fused_add_rms_norm_skinny_mm: against the reference norm's output in fp64, residual_out exact)
 and RMSNormSkinnyMMFusionPass inside Inductor."""
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from torch.library import opcheck
 
-from compilelm.ops import skinny_mm, skinny_mm_out
+from compilelm.ops import argmax_rows, skinny_mm, skinny_mm_argmax_out, skinny_mm_out
 from compilelm.passes.skinny_mm import SkinnyMMPass
 
 pytestmark = pytest.mark.gpu
@@ -68,6 +69,75 @@ def test_out_variant_writes_the_same_numbers(m):
     with pytest.raises(RuntimeError, match="out must be"):
         skinny_mm_out(x, w, buffer[:m, :4098])
     opcheck(torch.ops.compilelm.skinny_mm_out.default, (x, w, buffer[:m]))
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("n", [7, 4099, 49152, 128256])
+def test_argmax_variant_writes_the_logits_and_their_argmax(dtype, m, n):
+    """skinny_mm_argmax_out(x, w, out, ids): out == skinny_mm(x, w) bit for bit, ids == the argmax
+    of out's rows (argmax_rows and torch agree), at M <= 2 (one kernel: a wave of blocks walking the
+    columns, at 128256 many columns per warp) and M = 5 (cuBLAS + argmax_rows); repeated calls on
+    new values stay right (the keys and the counter are reset by the last block)."""
+    g = torch.Generator(device="cuda").manual_seed(m * 7 + n)
+    w = torch.randn(n, 576, device="cuda", generator=g).to(dtype)
+    buffer = torch.full((8, n), 7.0, device="cuda", dtype=dtype)
+    ids = torch.full((8,), -5, device="cuda", dtype=torch.int64)
+    for _ in range(3):
+        x = torch.randn(m, 576, device="cuda", generator=g).to(dtype)
+        skinny_mm_argmax_out(x, w, buffer[:m], ids[:m])
+        torch.testing.assert_close(buffer[:m], skinny_mm(x, w), rtol=0, atol=0)
+        assert ids[:m].tolist() == argmax_rows(buffer[:m]).tolist() == buffer[:m].float().argmax(-1).tolist()
+    assert (buffer[m:] == 7.0).all() and (ids[m:] == -5).all()
+    opcheck(torch.ops.compilelm.skinny_mm_argmax_out.default, (x, w, buffer[:m], ids[:m]))
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_argmax_variant_ties_and_nan(m):
+    """Equal maxima go to the lowest column, also when the columns are far apart (other blocks,
+    other loop steps of a warp); a NaN logit is the maximum (torch.argmax)."""
+    g = torch.Generator(device="cuda").manual_seed(m)
+    n = 128256
+    x = torch.randn(m, 576, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = torch.randn(n, 576, device="cuda", generator=g, dtype=torch.bfloat16) * 0.01
+    best = x[0].float() / x[0].float().norm()  # a row of w far above the others for row 0
+    w[n - 3] = (best * 4).to(torch.bfloat16)
+    w[70000] = w[n - 3]
+    w[5] = w[n - 3]
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    ids = torch.empty(m, device="cuda", dtype=torch.int64)
+    skinny_mm_argmax_out(x, w, out, ids)
+    assert ids[0].item() == 5 and ids.tolist() == out.float().argmax(-1).tolist()
+    w[90000, 0] = float("nan")
+    w[100000, 0] = float("nan")
+    skinny_mm_argmax_out(x, w, out, ids)
+    assert ids.tolist() == [90000] * m == out.float().argmax(-1).tolist()
+
+
+def test_argmax_variant_in_a_cuda_graph_and_bad_args():
+    """Captured once and replayed on new inputs, the argmax follows (the counter and keys are
+    left zero by every launch); a wrong argmax buffer is refused."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w = torch.randn(49152, 576, device="cuda", generator=g, dtype=torch.bfloat16)
+    x = torch.randn(1, 576, device="cuda", generator=g, dtype=torch.bfloat16)
+    out = torch.empty(1, 49152, device="cuda", dtype=torch.bfloat16)
+    ids = torch.empty(1, device="cuda", dtype=torch.int64)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        skinny_mm_argmax_out(x, w, out, ids)  # warm-up outside capture (allocates the counters)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        skinny_mm_argmax_out(x, w, out, ids)
+    for _ in range(4):
+        x.copy_(torch.randn(1, 576, device="cuda", generator=g, dtype=torch.bfloat16))
+        graph.replay()
+        assert ids.tolist() == skinny_mm(x, w).float().argmax(-1).tolist()
+    with pytest.raises(RuntimeError, match="argmax must be"):
+        skinny_mm_argmax_out(x, w, out, torch.empty(1, device="cuda", dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="out must be"):
+        skinny_mm_argmax_out(x, w, torch.empty(1, 49152, device="cuda"), ids)
+
 
 
 def test_opcheck_and_graph_capture():
