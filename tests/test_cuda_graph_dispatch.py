@@ -113,9 +113,10 @@ def test_prepare_step_dispatch_decisions():
 
 
 def test_input_buffers_pack_a_step_at_fixed_offsets():
-    """Two copies carry a step: the views hold the batch padded as the kernels expect (slot -1,
+    """One copy carries a step: the views hold the batch padded as the kernels expect (slot -1,
     cu_seqlens_q repeated, null-block tables) and sit at the same addresses whenever the padded
-    sizes are the same (what a replayed graph reads)."""
+    sizes are the same (what a replayed graph reads); `in_place` leaves the first input ids as
+    they are on the device (a full graph's argmax)."""
     import numpy as np
     import torch
 
@@ -143,3 +144,14 @@ def test_input_buffers_pack_a_step_at_fixed_offsets():
         assert a.data_ptr() == b.data_ptr()
     for name in ("slot_mapping", "cu_seqlens_q", "seq_lens", "block_tables"):
         assert getattr(first[2], name).data_ptr() == getattr(second[2], name).data_ptr()
+    assert second[2].cu_seqlens_q.dtype == torch.int32 and second[2].block_tables.dtype == torch.int32
+    assert second[2].block_tables.tolist() == [[1, 2, 0], [3, 4, 0], [5, 6, 0], [0, 0, 0]]
+    second[0][:2] = torch.tensor([70, 71])  # as a full graph's argmax would
+    third = buffers.load(batch([1, 2, 3]), 4, 4, 3, in_place=2)
+    assert third[0].tolist() == [70, 71, 3, 0] and third[1].tolist() == [5, 6, 7, 0]
+    assert third[2].seq_lens.tolist() == [6, 7, 8, 0]
+    # a larger step packs its fields at other offsets, the int32 ones as int32
+    big = buffers.load(batch([10, 11, 12, 13]), 16, 4, 3)
+    assert big[0].tolist() == [10, 11, 12, 13] + [0] * 12 and big[2].slot_mapping.tolist()[3:5] == [43, -1]
+    assert big[2].seq_lens.tolist() == [6, 7, 8, 9] and big[2].block_tables[3].tolist() == [7, 8, 0]
+    assert big[2].cu_seqlens_q.data_ptr() != first[2].cu_seqlens_q.data_ptr()

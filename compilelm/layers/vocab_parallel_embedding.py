@@ -55,13 +55,18 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection; also used through an embedding's weight when they are tied."""
 
 
-def compute_logits(hidden: torch.Tensor, head: VocabParallelEmbedding, out: torch.Tensor | None = None) -> torch.Tensor:
+def compute_logits(hidden: torch.Tensor, head: VocabParallelEmbedding, out: torch.Tensor | None = None,
+                   argmax_out: torch.Tensor | None = None) -> torch.Tensor:
     """The LM head's logits in the model dtype, written into `out` if given (a full decode graph's
-    static buffer, which the GEMM writes directly). The sampler converts them to fp32 where it
-    needs to; greedy sampling takes their argmax as they are."""
+    static buffer, which the GEMM writes directly), and with `argmax_out` (int64 [n], needs `out`)
+    each row's argmax too: greedy sampling inside the graph, fused into the LM head's kernel at 1-2
+    rows. The sampler converts the logits to fp32 where it needs to."""
     # hidden: [n, hidden] -> logits [n, vocab]
-    if out is not None and get_tp_size() == 1 and hidden.dim() == 2:
-        torch.ops.compilelm.skinny_mm_out.default(hidden, head.weight, out)  # as below, into out
+    if out is not None and get_tp_size() == 1 and hidden.dim() == 2:  # as below, into out
+        if argmax_out is None:
+            torch.ops.compilelm.skinny_mm_out.default(hidden, head.weight, out)
+        else:
+            torch.ops.compilelm.skinny_mm_argmax_out.default(hidden, head.weight, out, argmax_out)
         return out
     if hidden.is_cuda and hidden.dim() == 2:  # at 1-2 rows the weight-streaming kernel, else cuBLAS
         logits = torch.ops.compilelm.skinny_mm.default(hidden, head.weight)
@@ -69,4 +74,9 @@ def compute_logits(hidden: torch.Tensor, head: VocabParallelEmbedding, out: torc
         logits = F.linear(hidden, head.weight)
     if get_tp_size() > 1:
         logits = tensor_model_parallel_all_gather(logits, dim=-1)[:, :head.num_embeddings]
-    return logits if out is None else out.copy_(logits)
+    if out is None:
+        return logits
+    out.copy_(logits)
+    if argmax_out is not None:
+        argmax_out.copy_(torch.ops.compilelm.argmax_rows.default(out))
+    return out

@@ -115,9 +115,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        # hidden: [n, hidden_size] -> logits [n, vocab_size], model dtype (gathered from every rank), in `out` if given
-        return compute_logits(hidden, self.model.embed_tokens if self.lm_head is None else self.lm_head, out)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None,
+                       argmax_out: torch.Tensor | None = None) -> torch.Tensor:
+        # hidden: [n, hidden_size] -> logits [n, vocab_size], model dtype (gathered from every rank), in `out` if
+        # given; each row's argmax into argmax_out (int64 [n]) if given
+        return compute_logits(hidden, self.model.embed_tokens if self.lm_head is None else self.lm_head, out,
+                              argmax_out)
 
     def attention_layer_names(self) -> list[str]:
         return [layer.self_attn.attn.layer_name for layer in self.model.layers]

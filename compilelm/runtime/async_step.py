@@ -6,7 +6,8 @@ instead
   1. schedules step N+1 before step N's tokens are on the host: a request sampled in step N has a
      placeholder (`Request.num_output_placeholders`) and is scheduled as a decode of it (KV slot
      at position num_tokens); the model runner takes that row's input id from step N's
-     sampled-token tensor on the device (a scatter into input_ids before the forward / replay);
+     sampled-token tensor on the device (a scatter into input_ids before the forward / replay;
+     none in steady greedy decode, where step N's full graph left its argmax in input_ids);
   2. launches step N+1 (forward, sampling on the device, a non-blocking copy of the sampled ids
      and logprobs into pinned host memory, then a CUDA event), and only then
   3. waits for step N's event and processes its output: append tokens, stop checks, detokenize,

@@ -5,14 +5,15 @@ A decode step of a small model is a few hundred short kernels; launching them on
 Python leaves the GPU idle between them. A CUDA graph records the launches once per batch size
 and replays them with one call. Replays read and write fixed addresses, so every per-step input
 (token ids, positions, slot mapping, cu_seqlens_q, seq_lens, block tables) lives in a static
-device buffer owned by the runner (`InputBuffers`: one for the int64 inputs, one for the int32
-ones), and a step copies its values there from pinned host twins (non-blocking: preparing a step
-never waits for the GPU).
+device buffer owned by the runner (`InputBuffers`: one int64 buffer, the int32 inputs in a region
+of it), and a step copies its values there from pinned host twins in one copy (non-blocking:
+preparing a step never waits for the GPU).
 
 Two kinds of graphs, picked per step by `CudaGraphDispatcher` (full -> piecewise -> eager):
 - FULL: pure-decode batches (one query token per sequence) replay a whole-model graph captured
   at the next capture size, LM head included (every row of such a batch is sampled; the graph
-  writes the logits into the runner's static buffer); the rows past the real batch are padding
+  writes the logits into the runner's static buffer, and their argmax, greedy sampling, into its
+  own input ids: at batch 1-2 in the LM head's kernel); the rows past the real batch are padding
   that the kernels skip (slot -1: no KV write; q_len 0 and seq_len 0: output row zeroed; block
   table row 0: the null block).
 - PIECEWISE (compiled models, piecewise_graphs.py): any batch of up to the largest capture size
@@ -106,67 +107,71 @@ class HostBatch:
 
 
 class InputBuffers:
-    """Static device tensors for a step's inputs, filled by two host -> device copies per step.
+    """Static device tensors for a step's inputs, filled by one host -> device copy per step.
 
-    The int64 inputs of a step sit back to back in one buffer, the int32 ones in another, each
-    packed at offsets that depend only on the step's padded sizes (so a graph replayed at its size
-    reads the addresses it captured):
+    A step's inputs sit back to back in one int64 buffer (the int32 ones in a region of it viewed
+    as int32), packed at offsets that depend only on the step's padded sizes, so a graph replayed
+    at its size reads the addresses it captured:
 
-        int64  [input_ids: T][positions: T][slot_mapping: T][logits_idx: L][pending rows: P][pending src: P]
-        int32  [cu_seqlens_q: S + 1][seq_lens: S][block_tables: S * W]
+        [input_ids: T][positions: T][slot_mapping: T][int32: cu_seqlens_q S + 1, seq_lens S,
+         block_tables S * W, padded to whole int64s][logits_idx: L][pending rows: P][pending src: P]
 
-    (T tokens, S sequences, W block-table width, L logits rows, P pending rows.) Each has two pinned
+    (T tokens, S sequences, W block-table width, L logits rows, P pending rows.) It has two pinned
     host twins used in turn: with async scheduling the host fills step N+1's inputs while step N's
-    copies may still be waiting in the stream, so step N+1 writes the other twin. Before a twin is
-    rewritten, the event recorded after its last copies is waited on (already passed in practice:
-    the engine has waited for step N-1's output by then). Seven copies a step became two: at batch
-    1 each small copy is a few microseconds of GPU time in front of the graph."""
+    copy may still be waiting in the stream, so step N+1 writes the other twin. Before a twin is
+    rewritten, the event recorded after its last copy is waited on (already passed in practice:
+    the engine has waited for step N-1's output by then). Seven copies a step became one: at batch
+    1 each small copy is a microsecond of GPU time and a launch gap in front of the graph.
+
+    input_ids is also where a full graph leaves each row's argmax (its greedy next token): a step
+    whose first rows decode exactly those tokens, row for row, copies from past them (`in_place`)."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
         self.max_blocks = max_blocks  # block-table width of the captured graphs
         pinned = device.type == "cuda"
-        sizes = {torch.int64: 6 * max_tokens, torch.int32: 2 * max_seqs + 1 + max_seqs * max_blocks}
-        self.hosts = [{dt: torch.zeros(n, dtype=dt, pin_memory=pinned) for dt, n in sizes.items()} for _ in range(2)]
-        self.dev = {dt: torch.zeros(n, dtype=dt, device=device) for dt, n in sizes.items()}
-        self.copied = [torch.cuda.Event() if pinned else None for _ in self.hosts]  # each twin's last copies
+        size = 6 * max_tokens + (2 * max_seqs + 2 + max_seqs * max_blocks) // 2
+        self.hosts = [torch.zeros(size, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self.dev = torch.zeros(size, dtype=torch.int64, device=device)
+        self.copied = [torch.cuda.Event() if pinned else None for _ in self.hosts]  # each twin's last copy
         self.turn = 0
 
     def load(self, b: HostBatch, num_tokens: int, num_seqs: int, width: int,
-             pending: tuple[np.ndarray, np.ndarray] | None = None):
+             pending: tuple[np.ndarray, np.ndarray] | None = None, in_place: int = 0):
         """Copies `b`, padded to `num_tokens` tokens and `num_seqs` sequences with block tables
-        `width` wide (and the pending rows' (rows, src) index arrays), into the buffers; returns
-        (input_ids, positions, metadata, logits_idx, pending): views of the device buffers,
-        pending = (rows, src) views or None."""
+        `width` wide (and the pending rows' (rows, src) index arrays), into the buffer, except the
+        first `in_place` input ids (already there); returns (input_ids, positions, metadata,
+        logits_idx, pending): views of the device buffer, pending = (rows, src) views or None."""
         s, t = len(b.seq_lens), num_tokens
         self.turn ^= 1
         host, copied = self.hosts[self.turn], self.copied[self.turn]
         if copied is not None:
-            copied.synchronize()  # its previous copies have left this twin (returns at once if never recorded)
-        h64, h32 = host[torch.int64].numpy(), host[torch.int32].numpy()
-        fields64 = [(b.input_ids, 0, t), (b.positions, 0, t), (b.slot_mapping, -1, t),
-                    (b.logits_idx, 0, len(b.logits_idx))]
-        if pending is not None:
-            fields64 += [(pending[0], 0, len(pending[0])), (pending[1], 0, len(pending[1]))]
-        views64 = _pack(h64, fields64)
+            copied.synchronize()  # its previous copy has left this twin (returns at once if never recorded)
+        h64 = host.numpy()
+        head = _pack(h64, [(b.input_ids, 0, t), (b.positions, 0, t), (b.slot_mapping, -1, t)])
+        h32 = h64[3 * t:].view(np.int32)
         views32 = _pack(h32, [(b.cu_seqlens_q, b.cu_seqlens_q[-1], num_seqs + 1), (b.seq_lens, 0, num_seqs)])
         start = views32[-1].stop
         tables = h32[start:start + num_seqs * width].reshape(num_seqs, width)
         tables[:] = 0  # padding: the null block
         tables[:s, :b.block_tables.shape[1]] = b.block_tables
         views32.append(slice(start, start + num_seqs * width))
-        d64, d32 = self.dev[torch.int64], self.dev[torch.int32]
-        n64, n32 = views64[-1].stop, views32[-1].stop
-        d64[:n64].copy_(host[torch.int64][:n64], non_blocking=True)  # queued behind the previous step's work
-        d32[:n32].copy_(host[torch.int32][:n32], non_blocking=True)
+        rest = [(b.logits_idx, 0, len(b.logits_idx))]
+        if pending is not None:
+            rest += [(pending[0], 0, len(pending[0])), (pending[1], 0, len(pending[1]))]
+        offset = 3 * t + (views32[-1].stop + 1) // 2
+        tail = [slice(v.start + offset, v.stop + offset) for v in _pack(h64[offset:], rest)]
+        dev, end = self.dev, tail[-1].stop
+        dev[in_place:end].copy_(host[in_place:end], non_blocking=True)  # queued behind the previous step's work
         if copied is not None:
             copied.record()
-        input_ids, positions, slots, logits_idx = (d64[v] for v in views64[:4])
+        input_ids, positions, slots = (dev[v] for v in head)
+        d32 = dev[3 * t:].view(torch.int32)
         cu, seq_lens, block_tables = (d32[v] for v in views32)
         meta = AttentionMetadata(slot_mapping=slots, cu_seqlens_q=cu, seq_lens=seq_lens,
                                  block_tables=block_tables.view(num_seqs, width),
                                  max_query_len=b.max_query_len, max_seq_len=int(b.seq_lens.max()))
-        pending_views = None if pending is None else (d64[views64[4]], d64[views64[5]])
-        return input_ids, positions, meta, logits_idx, pending_views
+        pending_views = None if pending is None else (dev[tail[1]], dev[tail[2]])
+        return input_ids, positions, meta, dev[tail[0]], pending_views
 
 
 def _pack(host: np.ndarray, fields) -> list[slice]:

@@ -76,6 +76,7 @@ class ModelRunner:
         # The last async step's sampled ids (int64 [num_sampled], on the device) and each sampled
         # request's row in them: where the next step's pending rows read their input ids.
         self.last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        self.greedy_ids: torch.Tensor | None = None  # int64 [rows]: the last full graph's argmax of its logits rows
         self.compiled = None  # the CompiledModel (-O1 and up): its pieces are what piecewise graphs capture
         self.forward_fn = self._build_forward(config)
         # On CUDA, step inputs go through static buffers (pinned host -> device, no sync), which
@@ -102,7 +103,7 @@ class ModelRunner:
         if piecewise:
             self.piecewise_graphs = PiecewiseGraphs(piecewise, pool)
             self.compiled.wrap_pieces(self.piecewise_graphs.wrap)
-            static = [*self.model.parameters(), *self.model.buffers(), *self.buffers.dev.values()]
+            static = [*self.model.parameters(), *self.model.buffers(), self.buffers.dev]
             self.piecewise_graphs.capture(self.forward_fn, self.buffers, self.kv_caches, static, warm)
             stream = self.piecewise_graphs.stream
         if full:
@@ -118,9 +119,11 @@ class ModelRunner:
 
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """What a full decode graph runs: the forward, then the LM head over every row (each row
-        of a pure-decode batch is sampled) into the static logits buffer."""
+        of a pure-decode batch is sampled) into the static logits buffer, and each row's argmax
+        into input_ids (greedy sampling done in the graph; the embedding read them long before):
+        a next step that decodes those tokens row for row finds its input ids in place."""
         hidden = self.forward_fn(input_ids, positions)  # [size, hidden]
-        return self.model.compute_logits(hidden, out=self.logits_buffer[:hidden.shape[0]])
+        return self.model.compute_logits(hidden, out=self.logits_buffer[:hidden.shape[0]], argmax_out=input_ids)
 
     def release_graphs(self) -> None:
         """Drops the CUDA graphs; later steps run eagerly. A tensor-parallel rank does this before
@@ -214,16 +217,17 @@ class ModelRunner:
         return max(0, min(start + sr.num_new_tokens, req.num_prompt_tokens - 1) - start)
 
     def prepare_inputs(self, b: HostBatch, graph_mode: str = "none", graph_size: int | None = None,
-                       pending: tuple[np.ndarray, np.ndarray] | None = None):
+                       pending: tuple[np.ndarray, np.ndarray] | None = None, in_place: int = 0):
         """(input_ids, positions, metadata, logits_idx, pending) on the device, pending = the
         (rows, src) index arrays of `pending` or None. For a full graph the batch is padded to its
         size in tokens and sequences, block tables at full width; for piecewise graphs in tokens
-        only (the padding rows belong to no sequence)."""
+        only (the padding rows belong to no sequence). The first `in_place` input ids are already
+        on the device (InputBuffers.load)."""
         if self.buffers is not None:
             if graph_mode == "full":
-                return self.buffers.load(b, graph_size, graph_size, self.buffers.max_blocks, pending)
+                return self.buffers.load(b, graph_size, graph_size, self.buffers.max_blocks, pending, in_place)
             num_tokens = graph_size if graph_mode == "piecewise" else len(b.input_ids)
-            return self.buffers.load(b, num_tokens, len(b.seq_lens), b.block_tables.shape[1], pending)
+            return self.buffers.load(b, num_tokens, len(b.seq_lens), b.block_tables.shape[1], pending, in_place)
         dev = self.device
         as_t = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(dev, dt)  # noqa: E731
         meta = AttentionMetadata(
@@ -251,19 +255,29 @@ class ModelRunner:
         dtype, or None if no row needs them. The step runs as `prepare_step` dispatched it: a full
         graph, the piece graphs of its padded size with attention eager between them, or eagerly."""
         b = step.batch
+        self.greedy_ids = None
         pending = None if step.pending_rows is None else (step.pending_rows, step.pending_src)
+        last, in_place = None if pending is None else self.last_sampled[0], 0
+        if last is not None and self.buffers is not None and last.data_ptr() == self.buffers.dev.data_ptr():
+            # the last full graph's argmax, still in input_ids: left in place where the rows match,
+            # else saved before the host -> device copy overwrites it
+            if _in_order(step.pending_rows) and _in_order(step.pending_src):
+                in_place = len(step.pending_rows)
+            else:
+                last = last.clone()
         input_ids, positions, meta, logits_idx, pending = self.prepare_inputs(b, step.graph_mode, step.graph_size,
-                                                                              pending)
-        if pending is not None:
+                                                                              pending, in_place)
+        if pending is not None and not in_place:
             # after the host -> device copy, before the forward or graph replay reads input_ids
             # (for graphs, a static buffer): stream-ordered after the previous step's sampler
-            self._scatter_pending(input_ids, step, *pending)
+            self._scatter_pending(input_ids, step, last, *pending)
         num_rows = len(b.logits_idx)
         if step.graph_mode == "full":
             logits = self.cuda_graphs.replay(step.graph_size)  # [graph_size, vocab], LM head included
             if num_rows == 0:
                 return None
             if _in_order(b.logits_idx):  # every row sampled, in order
+                self.greedy_ids = input_ids[:num_rows]  # the graph's argmax (_forward_logits)
                 return logits[:num_rows]
             return logits.index_select(0, logits_idx)
         pieces = (self.piecewise_graphs.at_size(step.graph_size) if step.graph_mode == "piecewise"
@@ -274,11 +288,11 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[logits_idx])
 
-    def _scatter_pending(self, input_ids: torch.Tensor, step: StepInputs, rows: torch.Tensor,
+    @staticmethod
+    def _scatter_pending(input_ids: torch.Tensor, step: StepInputs, sampled: torch.Tensor, rows: torch.Tensor,
                          src: torch.Tensor) -> None:
-        # input_ids: int64 [>= num_tokens]; last sampled: int64 [num_sampled of the previous step];
+        # input_ids: int64 [>= num_tokens]; sampled: the last step's, int64 [its num_sampled];
         # rows, src: int64 [num_pending] on the device (step.pending_rows / pending_src)
-        sampled = self.last_sampled[0]
         if _in_order(step.pending_rows) and _in_order(step.pending_src):
             n = len(step.pending_rows)
             input_ids[:n].copy_(sampled[:n])  # steady decode: row i takes the previous row i's token
@@ -320,7 +334,7 @@ class ModelRunner:
             for fn in req.sampling_params.logits_processors:
                 logits = logits.float()  # fp32 rows for the user functions (a copy once, then a no-op)
                 logits[i] = fn(req.output_token_ids, logits[i])
-        return out, self.sampler.sample_tensors(logits, out.sampled)
+        return out, self.sampler.sample_tensors(logits, out.sampled, self.greedy_ids)
 
     def _prompt_logprobs(self, sched: SchedulerOutput, logits: torch.Tensor) -> dict:
         """request id -> [(prompt position, LogprobsLists)]; `logits` holds the prompt-logprob rows

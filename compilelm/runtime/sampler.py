@@ -72,10 +72,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         return self.sample_tensors(logits, requests).to_output()
 
-    def sample_tensors(self, logits: torch.Tensor, requests: list[Request]) -> SampledTensors:
-        # logits: [num_reqs, vocab], the model's dtype or fp32
+    def sample_tensors(self, logits: torch.Tensor, requests: list[Request],
+                       greedy_ids: torch.Tensor | None = None) -> SampledTensors:
+        # logits: [num_reqs, vocab], the model's dtype or fp32; greedy_ids: their argmax where
+        # already computed (int64 [num_reqs]: a full CUDA graph's, fused into its LM head)
         if all(r.plain_greedy for r in requests):  # the common case: one argmax, no host passes
-            return SampledTensors(argmax_rows(logits), [], [])  # (the argmax of the logits as they are)
+            # (the argmax of the logits as they are)
+            return SampledTensors(argmax_rows(logits) if greedy_ids is None else greedy_ids, [], [])
         logits = logits.float()  # everything else works in fp32, as vLLM's sampler does
         params = [r.sampling_params for r in requests]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
