@@ -90,6 +90,28 @@ struct SkinnyParams {
   float eps = 0.f;
 };
 
+// acc[m] += the dot product of the weight chunks in flight (wv: chunks base + 32 i of one row)
+// with the same chunks of row m of the GEMV's input (load_x(m, c): 16 bytes).
+template <typename T, int M, typename LoadX>
+__device__ __forceinline__ void dot_step(const uint4 (&wv)[kLoads], int base, int chunks, const LoadX& load_x,
+                                         float (&acc)[M]) {
+  constexpr int kVec = 16 / sizeof(T);
+#pragma unroll
+  for (int i = 0; i < kLoads; ++i) {
+    const int c = base + i * 32;
+    if (c >= chunks) continue;
+    float wf[kVec];
+    widen<T>(wv[i], wf);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float xf[kVec];
+      widen<T>(load_x(m, c), xf);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[m] += xf[e] * wf[e];
+    }
+  }
+}
+
 template <typename T, int M, Prologue kPro>
 __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyParams p) {
   constexpr int kVec = 16 / sizeof(T);
@@ -204,20 +226,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
   for (int m = 0; m < M; ++m) acc[m] = 0.f;
   for (int base = lane; base < chunks; base += 32 * kLoads) {
     if (base != lane) load_step(base);
-#pragma unroll
-    for (int i = 0; i < kLoads; ++i) {
-      const int c = base + i * 32;
-      if (c >= chunks) continue;
-      float wf[kVec];
-      widen<T>(wv[i], wf);
-#pragma unroll
-      for (int m = 0; m < M; ++m) {
-        float xf[kVec];
-        widen<T>(load_x(m, c), xf);
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) acc[m] += xf[e] * wf[e];
-      }
-    }
+    dot_step<T, M>(wv, base, chunks, load_x, acc);
   }
 #pragma unroll
   for (int m = 0; m < M; ++m) {
@@ -253,6 +262,9 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_argmax_kernel(const Ski
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int stride = gridDim.x * kWarps, chunks = p.k / kVec;
   int n = blockIdx.x * kWarps + warp;  // this warp's columns: n, n + stride, ...
+  const auto load_x = [&](int m, int c) {
+    return __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + m * p.x_stride + c * kVec));
+  };
   uint4 wv[kLoads];
   const auto load_step = [&](int col, int base) {
     const T* row = static_cast<const T*>(p.w) + static_cast<int64_t>(col < p.n_cols ? col : 0) * p.w_stride;
@@ -274,20 +286,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_argmax_kernel(const Ski
     for (int m = 0; m < M; ++m) acc[m] = 0.f;
     for (int base = lane; base < chunks; base += 32 * kLoads) {
       if (base != lane) load_step(n, base);
-#pragma unroll
-      for (int i = 0; i < kLoads; ++i) {
-        const int c = base + i * 32;
-        if (c >= chunks) continue;
-        float wf[kVec];
-        widen<T>(wv[i], wf);
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-          float xf[kVec];
-          widen<T>(__ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + m * p.x_stride + c * kVec)), xf);
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) acc[m] += xf[e] * wf[e];
-        }
-      }
+      dot_step<T, M>(wv, base, chunks, load_x, acc);
     }
     load_step(n + stride, lane);  // the next column's first loads fly during this one's reduction
 #pragma unroll
