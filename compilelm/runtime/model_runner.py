@@ -334,7 +334,8 @@ class ModelRunner:
             for fn in req.sampling_params.logits_processors:
                 logits = logits.float()  # fp32 rows for the user functions (a copy once, then a no-op)
                 logits[i] = fn(req.output_token_ids, logits[i])
-        return out, self.sampler.sample_tensors(logits, out.sampled, self.greedy_ids)
+        greedy = None if self.greedy_ids is None else self.greedy_ids[:step.num_sampled]
+        return out, self.sampler.sample_tensors(logits, out.sampled, greedy)
 
     def _prompt_logprobs(self, sched: SchedulerOutput, logits: torch.Tensor) -> dict:
         """request id -> [(prompt position, LogprobsLists)]; `logits` holds the prompt-logprob rows
