@@ -67,6 +67,11 @@ def _layers_rank(rank: int, world: int, port: int, failures) -> None:
         head = ParallelLMHead(37, 32)
         head.load_full(head.weight, emb)
         torch.testing.assert_close(compute_logits(x, head), x @ emb.T, atol=1e-5, rtol=1e-5)
+        # a full decode graph's form: gathered logits into a static buffer, and their argmax
+        buf, argmax = torch.full((7, 37), 3.0), torch.full((7,), -1, dtype=torch.int64)
+        assert compute_logits(x, head, out=buf[:5], argmax_out=argmax[:5]) is not None
+        torch.testing.assert_close(buf[:5], x @ emb.T, atol=1e-5, rtol=1e-5)
+        assert argmax[:5].tolist() == buf[:5].argmax(-1).tolist() and (argmax[5:] == -1).all() and (buf[5:] == 3).all()
 
         # the fused op == all_reduce then add + norm
         w = torch.randn(32, generator=g)
