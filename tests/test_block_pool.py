@@ -8,7 +8,7 @@ from compilelm.runtime.block_pool import BlockPool, hash_block_tokens
 
 
 def free_queue_ids(pool):
-    return list(pool.free_block_queue)
+    return pool.free_block_ids()
 
 
 def test_allocation_never_hands_out_null_block():
@@ -113,3 +113,18 @@ def test_caching_disabled_registers_nothing():
     h = hash_block_tokens(None, [1])
     pool.cache_full_blocks([block], [h])
     assert pool.get_cached_block(h) is None and block.block_hash is None
+
+
+def test_blocks_are_made_on_first_use():
+    """A large pool makes no block objects up front; never-used blocks are handed out first, in
+    id order, ahead of freed ones, and each block id gets one object for good."""
+    pool = BlockPool(131072)
+    assert len(pool.blocks) == 1 and pool.get_num_free_blocks() == 131071
+    a = pool.get_new_blocks(3)
+    assert [b.block_id for b in a] == [1, 2, 3] and pool.blocks[1:] == a
+    pool.free_blocks([a[1]])
+    assert pool.free_block_ids()[:2] == [4, 5] and pool.free_block_ids()[-1] == 2
+    assert pool.get_num_free_blocks() == 131069
+    rest = pool.get_new_blocks(131069)  # every never-used block, then block 2 again
+    assert rest[0].block_id == 4 and rest[-1] is a[1] and len(pool.blocks) == 131072
+    assert pool.usage == 1.0

@@ -31,7 +31,7 @@ def decode(manager, request, token):
 def pool_state(manager):
     pool = manager.block_pool
     return (
-        list(pool.free_block_queue),
+        pool.free_block_ids(),
         [(b.ref_cnt, b.block_hash) for b in pool.blocks],
         dict(pool.cached_block_hash_to_block),
         {k: list(v) for k, v in manager.req_to_blocks.items()},
@@ -122,7 +122,7 @@ def test_free_returns_blocks_tail_first():
     m.free(a)
     assert m.get_block_ids("a") == []
     assert m.usage == 0.0
-    assert list(m.block_pool.free_block_queue) == [4, 5, 3, 2, 1]
+    assert m.block_pool.free_block_ids() == [4, 5, 3, 2, 1]
     m.free(a)  # freeing twice is harmless
     assert m.usage == 0.0
 

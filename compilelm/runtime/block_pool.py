@@ -5,6 +5,11 @@ is identified by a chained hash of (parent block's hash, its own token ids), so 
 mean equal prefixes, not just equal blocks. A block whose ref count drops to zero goes to the
 tail of the free queue but keeps its hash: until it reaches the head and is handed out again,
 a later request with the same prefix can take it back (`touch`) instead of recomputing it.
+
+Blocks are made on first use. The free queue starts as every block but the null block, in id
+order, and a freed block joins its tail, behind all the never-used ones: so the never-used blocks
+(ids `_fresh` and up) are handed out first, in id order, and only they need no object yet. (An
+H100's KV cache of SmolLM2-135M is 131,072 blocks: making them all at startup took ~70 ms.)
 """
 
 from __future__ import annotations
@@ -36,30 +41,37 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.blocks = [KVCacheBlock(0)]  # the blocks made so far: block i is blocks[i]
         # Block 0 pads block tables; it is never handed out and never freed.
         self.null_block = self.blocks[0]
-        # Head = next to hand out (least recently freed). OrderedDict gives O(1) removal from
-        # the middle when a cache hit takes a free block back.
-        self.free_block_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
-            (b.block_id, b) for b in self.blocks[1:]
-        )
+        self._fresh = 1  # ids _fresh.. have never been handed out: the head of the free queue
+        # The freed blocks, behind the never-used ones (head = next to hand out, least recently
+        # freed). OrderedDict gives O(1) removal from the middle when a cache hit takes a free
+        # block back.
+        self.free_block_queue: OrderedDict[int, KVCacheBlock] = OrderedDict()
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+
+    def free_block_ids(self) -> list[int]:
+        """The free queue, head first: the never-used blocks, then the freed ones."""
+        return [*range(self._fresh, self.num_blocks), *self.free_block_queue]
 
     def get_num_free_blocks(self) -> int:
         """Blocks that can be handed out now, counting cached blocks that would be evicted."""
-        return len(self.free_block_queue)
+        return self.num_blocks - self._fresh + len(self.free_block_queue)
 
     @property
     def usage(self) -> float:
         """Fraction of the usable (non-null) blocks held by some request."""
-        return 1.0 - len(self.free_block_queue) / (self.num_blocks - 1)
+        return 1.0 - self.get_num_free_blocks() / (self.num_blocks - 1)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        if num_blocks > len(self.free_block_queue):
-            raise ValueError(f"cannot get {num_blocks} blocks, {len(self.free_block_queue)} free")
-        blocks = []
-        for _ in range(num_blocks):
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(f"cannot get {num_blocks} blocks, {self.get_num_free_blocks()} free")
+        fresh = min(num_blocks, self.num_blocks - self._fresh)
+        blocks = [KVCacheBlock(i, ref_cnt=1) for i in range(self._fresh, self._fresh + fresh)]
+        self.blocks += blocks
+        self._fresh += fresh
+        for _ in range(num_blocks - fresh):
             _, block = self.free_block_queue.popitem(last=False)
             self._evict(block)
             block.ref_cnt = 1
@@ -97,7 +109,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only possible while no request holds a block."""
-        if len(self.free_block_queue) != self.num_blocks - 1:
+        if self.get_num_free_blocks() != self.num_blocks - 1:
             return False
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
