@@ -25,9 +25,14 @@ reuse the largest one's activation memory.
 Memory: graphs hold the KV cache's addresses, so they are captured after the cache exists. The
 engine sizes the cache leaving `memory.cuda_memory_reserve` free (an estimate of eager
 activations + the graphs + logits); measured and estimated sizes are logged after capture.
-On an H100, smollm2-135m -O2: piecewise graphs of 1..512 tokens (31 pieces x 51 sizes) in 2.0 s
-and 438 MiB, then full graphs of 1..64 in 0.2 s and 12 MiB more (the pool is reused). A mixed
-step of 8 decodes + a 128-token prefill chunk: 2.0 ms with piecewise graphs, 6.6 ms without.
+On an H100, smollm2-135m -O2 (bench_compile_gpu_13aa978.json, warm): piecewise graphs of 1..512
+tokens (31 pieces x 51 sizes) in 0.9 s and 384 MiB, then full graphs of 1..256 in 0.3 s and 30 MiB
+more (the pool is reused). A mixed step of 8 decodes + a 128-token prefill chunk: 2.0 ms with
+piecewise graphs, 6.6 ms without (measured at an earlier commit).
+
+The argmax at the end of a full graph also made batch-64 graphs faster on one H100 (135M: 1.77 ->
+1.64 ms; the kernels after cuBLAS GEMMs started ~0.7 us sooner), not on another; the cause is not
+known (benchmarks/results/argmax_in_graph_ab_gpu.log).
 """
 
 from __future__ import annotations
