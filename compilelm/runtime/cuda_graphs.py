@@ -30,9 +30,10 @@ tokens (31 pieces x 51 sizes) in 0.9 s and 384 MiB, then full graphs of 1..256 i
 more (the pool is reused). A mixed step of 8 decodes + a 128-token prefill chunk: 2.0 ms with
 piecewise graphs, 6.6 ms without (measured at an earlier commit).
 
-The argmax kernel at the end of a full graph also made batch-64 graphs faster: 135M 1.77 -> 1.64-
-1.66 ms on two H100s (the kernels after cuBLAS GEMMs started ~0.7 us sooner); 8B 9.70 -> 9.55 ms
-on one of them, not on the other. The cause is not known (benchmarks/results/argmax_in_graph_ab_gpu.log).
+The argmax kernel at the end of a full graph also made batch-64 graphs faster in an A/B on one
+H100: 135M 1.77 -> 1.64 ms, 8B 9.70 -> 9.55 ms (the kernels after cuBLAS GEMMs started ~0.7 us
+sooner). The final run on another H100 gave 1.66 and 9.73 ms, with no A/B there. The cause is
+not known (benchmarks/results/argmax_in_graph_ab_gpu.log).
 """
 
 from __future__ import annotations
