@@ -302,3 +302,44 @@ def test_cuda_graph_capture_and_replay():
         assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
         assert_close(out, expected)
         assert torch.count_nonzero(out[22:]) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bfloat16, torch.uint8])
+@pytest.mark.parametrize("start,length", [(0, 1), (0, 1000), (1, 517), (3, 4099)])
+def test_copy_pinned_both_ways(dtype, start, length):
+    """Host -> GPU and GPU -> host by the kernel, at offsets that take each vector width, ordered
+    after the kernels before it on the stream (the source is written by a kernel just before)."""
+    from compilelm.ops import copy_pinned_
+
+    values = torch.randint(0, 100, (start + length,), dtype=torch.int64).to(dtype)
+    host = torch.empty(start + length, dtype=dtype, pin_memory=True).copy_(values)
+    dev = torch.zeros(start + length, dtype=dtype, device="cuda")
+    copy_pinned_(dev[start:], host[start:])
+    assert torch.equal(dev[start:].cpu(), values[start:]) and not dev[:start].any()
+    out = torch.zeros(start + length, dtype=dtype, pin_memory=True)
+    torch.cuda._sleep(1_000_000)  # the copy must wait for what is queued before it
+    dev.add_(1)
+    copy_pinned_(out[start:], dev[start:])
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    assert torch.equal(out[start:], values[start:] + 1) and not out[:start].any()
+
+
+def test_copy_pinned_refuses_and_opcheck():
+    from torch.library import opcheck
+
+    from compilelm.ops import copy_pinned_
+
+    dev = torch.zeros(8, dtype=torch.int64, device="cuda")
+    pinned = torch.arange(8, pin_memory=True)
+    # (no fake-tensor tests: the op mixes devices on purpose, and is never traced)
+    opcheck(torch.ops.compilelm.copy_pinned_.default, (dev, pinned), test_utils=("test_schema", "test_autograd_registration"))
+    with pytest.raises(RuntimeError, match="pinned"):
+        copy_pinned_(dev, torch.arange(8))  # pageable host memory
+    with pytest.raises(RuntimeError, match="one of dst and src"):
+        copy_pinned_(dev, dev.clone())
+    with pytest.raises(RuntimeError, match="same dtype and shape"):
+        copy_pinned_(dev, pinned[:4])
+    with pytest.raises(RuntimeError, match="same dtype and shape"):
+        copy_pinned_(dev[::2], pinned[:4])
