@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 from torch._dynamo.utils import counters as torch_counters
 
+import compilelm.graphs.lazy_templates  # noqa: F401  (before Inductor's kernel modules load)
 from compilelm.graphs.backend import SENTINEL, CompilelmBackend
 from compilelm.graphs.cache import CompileCache, cache_key_factors
 from compilelm.graphs.config import CompileConfig
