@@ -108,11 +108,6 @@ TORCH_LIBRARY(compilelm, m) {
   // maximum, NaN counting as the maximum (torch.argmax(x, -1)). One kernel on CUDA (greedy sampling).
   m.def("argmax_rows(Tensor x) -> Tensor");
 
-  // dst.copy_(src), one of them on the GPU and the other pinned host memory (same dtype and
-  // shape, contiguous). On CUDA a kernel reads or writes the host memory itself (no copy engine),
-  // ordered on the current stream like a non-blocking copy: the sampled ids' way to the host.
-  m.def("copy_pinned_(Tensor(a!) dst, Tensor src) -> ()");
-
   // One-shot all-reduce over peer memory, CUDA only (csrc/cuda/allreduce_kernels.cu); called by
   // compilelm/distributed/custom_all_reduce.py, which owns the buffers: buffer_ptrs = every rank's
   // peer-visible buffer (flags, then buffer_bytes for the rows), rank = this rank's index in it.

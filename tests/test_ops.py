@@ -251,17 +251,3 @@ def test_launch_settings_return_the_previous_setting(setting):
         assert toggle(True) is True
     finally:
         toggle(previous)
-
-
-def test_copy_pinned_on_cpu():
-    """On CPU copy_pinned_ is dst.copy_(src) (the GPU kernel: tests/gpu/test_cuda_ops.py)."""
-    from torch.library import opcheck
-
-    from compilelm.ops import copy_pinned_
-
-    src, dst = torch.arange(10), torch.zeros(10, dtype=torch.int64)
-    copy_pinned_(dst[3:], src[3:])
-    assert dst.tolist() == [0, 0, 0] + list(range(3, 10))
-    opcheck(torch.ops.compilelm.copy_pinned_.default, (dst, src))
-    with pytest.raises(RuntimeError, match="same dtype and shape"):
-        copy_pinned_(dst, src[:4])

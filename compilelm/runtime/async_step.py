@@ -8,8 +8,8 @@ instead
      at position num_tokens); the model runner takes that row's input id from step N's
      sampled-token tensor on the device (a scatter into input_ids before the forward / replay;
      none in steady greedy decode, where step N's full graph left its argmax in input_ids);
-  2. launches step N+1 (forward, sampling on the device, a kernel that writes the sampled ids
-     and logprobs into pinned host memory (copy_pinned_), then a CUDA event), and only then
+  2. launches step N+1 (forward, sampling on the device, a non-blocking copy of the sampled ids
+     and logprobs into pinned host memory, then a CUDA event), and only then
   3. waits for step N's event and processes its output: append tokens, stop checks, detokenize,
      stop strings, RequestOutputs. `step()` returns step N's outputs while N+1 is in flight.
 A request that finished in step N (EOS, stop id or string, abort) may already be in step N+1:

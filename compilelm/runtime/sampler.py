@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from compilelm.ops import argmax_rows as fused_argmax_rows
-from compilelm.ops import copy_pinned_
 
 if TYPE_CHECKING:
     from compilelm.runtime.request import Request
@@ -51,14 +50,11 @@ class SampledTensors:
 
     def to_host_async(self) -> SampledTensors:
         """Pinned host copies of device tensors, queued without waiting (valid once the stream
-        reaches them: record an event after this); tensors already on the CPU are kept. A kernel
-        writes them (copy_pinned_): a copy-engine transfer started microseconds after the graph."""
+        reaches them: record an event after this); tensors already on the CPU are kept."""
         def move(t):
             if t is None or t.device.type == "cpu":
                 return t
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            copy_pinned_(host, t.contiguous())
-            return host
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
         return SampledTensors(move(self.token_ids), self.lp_rows, self.num_logprobs, move(self.lp_token_ids),
                               move(self.lp_values), move(self.lp_ranks))
 

@@ -115,9 +115,6 @@ at::Tensor silu_mul_skinny_mm(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor argmax_rows(const at::Tensor& x);
 void argmax_rows_into(const at::Tensor& x, const at::Tensor& out);  // out: int64 [rows]; a helper
 
-// copy_pinned.cu
-void copy_pinned_(const at::Tensor& dst, const at::Tensor& src);
-
 // allreduce_kernels.cu
 at::Tensor custom_all_reduce(const at::Tensor& x, at::IntArrayRef buffer_ptrs, int64_t rank, int64_t buffer_bytes);
 std::tuple<at::Tensor, at::Tensor> custom_all_reduce_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
