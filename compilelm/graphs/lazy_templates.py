@@ -17,21 +17,21 @@ _KernelTemplate = inductor_common.KernelTemplate
 
 
 class LazyTemplate:
-    """A jinja2 template compiled on first attribute access (`render`, `module`, ...)."""
+    """A jinja2 template compiled on first attribute access (`render`, `module`, ...). Its own
+    names start with an underscore, so none hides one of the template's."""
 
-    __slots__ = ("source", "compile", "_compiled")
+    __slots__ = ("_source", "_compile", "_compiled")
 
     def __init__(self, source: str, compile):
-        self.source, self.compile, self._compiled = source, compile, None
+        self._source, self._compile, self._compiled = source, compile, None
 
-    @property
-    def compiled(self):
+    def _template(self):
         if self._compiled is None:
-            self._compiled = self.compile(self.source)
+            self._compiled = self._compile(self._source)
         return self._compiled
 
-    def __getattr__(self, name):  # only names that are not slots or properties
-        return getattr(self.compiled, name)
+    def __getattr__(self, name):  # only names that are not slots or methods of this class
+        return getattr(self._template(), name)
 
 
 def install() -> bool:
