@@ -33,7 +33,11 @@ piecewise graphs, 6.6 ms without (measured at an earlier commit).
 The argmax kernel at the end of a full graph also made batch-64 graphs faster in an A/B on one
 H100: 135M 1.77 -> 1.64 ms, 8B 9.70 -> 9.55 ms (the kernels after cuBLAS GEMMs started ~0.7 us
 sooner). The final run on another H100 gave 1.66 and 9.73 ms, with no A/B there. The cause is
-not known (benchmarks/results/argmax_in_graph_ab_gpu.log).
+not known (benchmarks/results/argmax_in_graph_ab_gpu.log). The batch-64 graph is sensitive the
+other way too: copying the sampled ids out by a kernel after each step (instead of a copy-engine
+transfer) saved ~5 us a step at batch 1 but left the 135M batch-64 graph replay 6% slower in
+every run (1.66 -> 1.77 ms), so the ids leave by the copy engine
+(benchmarks/results/copy_pinned_ab_gpu.log).
 """
 
 from __future__ import annotations
