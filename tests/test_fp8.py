@@ -183,14 +183,43 @@ def test_fp8_default_model_accuracy_and_fusion():
           f"(logit std {a.std().item():.2f})")
     assert top1 >= MIN_TOP1_AGREEMENT and err.mean().item() <= MAX_MEAN_LOGIT_ERROR
 
+    # fp8 teacher-forced on the fp32 model's greedy answer: each answer token in fp8's top 2, and
+    # " Paris" its first choice. (Free-running, fp8's first token is a near-tie, "The" against
+    # "L", whose winner changed between CPU machines with the same code and packages.)
     chat = [{"role": "user", "content": "What is the capital of France?"}]
-    text = fp8.chat(chat, greedy(16), use_tqdm=False)[0].outputs[0].text
-    print(f"fp8 greedy: {text!r}")
-    assert "Paris" in text
+    answer = ref.chat(chat, greedy(16), use_tqdm=False)[0].outputs[0]
+    print(f"fp32 greedy: {answer.text!r}, fp8 greedy: {fp8.chat(chat, greedy(16), use_tqdm=False)[0].outputs[0].text!r}")
+    assert "Paris" in answer.text
+    prompt_ids = ref.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+    logits = _forward_logits(fp8, prompt_ids + list(answer.token_ids))[len(prompt_ids) - 1:-1]
+    targets = torch.tensor(answer.token_ids)
+    ranks = (logits > logits.gather(1, targets[:, None])).sum(1)  # 0: fp8's argmax is the answer's token
+    assert ranks.max().item() <= 1, ranks.tolist()
+    paris = next(i for i, t in enumerate(answer.token_ids) if "Paris" in ref.tokenizer.decode([t]))
+    assert ranks[paris].item() == 0
 
-    tokens = {}
+    # Compiled, fusion on and off: each as accurate against fp32 as eager fp8 on the text, and close
+    # to each other. (Token for token they differ here: a fused and an Inductor-generated quant
+    # round in different orders, and this model has near-ties; the dummy-model test above
+    # checks fused == unfused == eager tokens exactly.)
+    fp32_top1 = a[:-1].argmax(-1).tolist()  # the prediction of tokens 1..n-1
+    scored = {}
     for fuse in (True, False):
         llm = LLM(quantization="fp8", max_model_len=512, num_kv_blocks=64,
                   compilation_config={"passes": {"fuse_norm_quant": fuse, "fuse_act_quant": fuse}})
-        tokens[fuse] = llm.chat(chat, greedy(16), use_tqdm=False)[0].outputs[0].token_ids
-    assert tokens[True] == tokens[False]
+        scored[fuse] = lp, top1 = _prompt_logprobs(llm, prompt)
+        agreement = sum(x == y for x, y in zip(top1, fp32_top1)) / len(top1)
+        print(f"compiled fp8, fusion {'on' if fuse else 'off'}: top-1 agreement with fp32 {agreement:.3f}")
+        assert agreement >= MIN_TOP1_AGREEMENT
+    gap = (torch.tensor(scored[True][0]) - torch.tensor(scored[False][0])).abs().mean().item()
+    print(f"mean |logprob on - off| {gap:.3f}")
+    assert gap <= 0.25
+
+
+def _prompt_logprobs(llm: LLM, prompt: list[int]) -> tuple[list[float], list[int]]:
+    """Through the engine (compiled forward): each prompt token's logprob (tokens 1..n-1) and the
+    model's top-1 token at its position."""
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    rows = out.prompt_logprobs[1:]
+    return ([row[t].logprob for row, t in zip(rows, prompt[1:])],
+            [max(row, key=lambda t: row[t].logprob) for row in rows])
