@@ -36,7 +36,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 import compilelm.graphs.lazy_templates  # noqa: F401  (before Inductor's kernel modules load)
-from torch._inductor import pattern_matcher as pm  # noqa: E402
+from torch._inductor import pattern_matcher as pm
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from compilelm.passes.config import PassConfig
