@@ -19,6 +19,14 @@ Memory. Graphs share one pool and are captured largest size first; a graph's out
 weak references (tensors over pool memory that do not keep it allocated, like vLLM's
 `weak_ref_tensors`), so each smaller capture reuses the memory of the larger ones: the pool holds
 about one eager step of the largest size, not one per size.
+
+Instantiation. A piece graph is instantiated (cudaGraphInstantiate) on its first replay, not at
+capture (`keep_graph=True`): instantiating all of them (31 pieces x 51 sizes for SmolLM2-135M)
+made an H100 host's warm start 0.4-0.9 s slower (benchmarks/results/lazy_instantiate_ab_gpu.log),
+while a workload replays the few sizes its mixed batches pad to. The first step at a size pays for
+its pieces once (~3 ms for 31); the device memory an instantiated graph takes
+(memory.PIECE_GRAPH_BYTES) is kept free by the worker's reserve either way. Full decode graphs
+(cuda_graphs.py) are instantiated at capture: every decode step of their size replays one.
 """
 
 from __future__ import annotations
@@ -93,7 +101,7 @@ class PieceGraphs:
                 inputs.append(None)
             else:
                 inputs.append(a.data_ptr() if isinstance(a, torch.Tensor) else a)
-        graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph(keep_graph=True)  # instantiated on first replay (module docstring)
         with torch.cuda.stream(owner.stream):  # the legacy default stream cannot be captured
             graph.capture_begin(pool=owner.pool)
             try:
