@@ -25,7 +25,9 @@ passes/lowering (AOT + whole-graph passes + split + post-grad passes), Inductor,
 (warm), CUDA-graph capture (+ the KV cache allocation: the ModelRunner's setup minus its
 compile), other (tokenizer, KV sizing, scheduler). The engine does not report these per stage,
 so the child process times `build_model`, `ModelRunner._build_forward` (the CompiledModel's own
-per-stage `times`) and `ModelRunner.__init__` by wrapping them. Targets (135M): cold <= 20 s, warm <= 5 s.
+per-stage `times`) and `ModelRunner.__init__` by wrapping them. Targets (135M): cold <= 20 s, warm <= 5 s,
+judged on compile + capture (the issue's measure, and vLLM's "compile time" + its graph capture) in
+`met`, and on the whole process start -> ready in `ready_met`.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def compile_times(model: str) -> dict:
 
 TARGETS_S = {"dummy:smollm2-135m": {"cold": 20.0, "warm": 5.0}}
 STAGES = ("imports", "weights", "dynamo", "passes_lowering", "inductor", "cache_load", "capture", "other")
+COMPILE_CAPTURE = ("dynamo", "passes_lowering", "inductor", "cache_load", "capture")
 
 
 def child_engine(model: str, cache_dir: str, started: float, max_model_len: int | None) -> None:
@@ -198,6 +201,28 @@ def gpu_startup(model: str, max_model_len: int | None, pycache: str, warm_runs: 
     return out
 
 
+def startup_rows(model: str, runs: dict) -> list[dict]:
+    """The table rows of one model's cold and (median) warm start. Two measures against the same
+    target: compile + capture (what the target names, as vLLM reports its compile time: Dynamo,
+    passes, Inductor or the cache load, then the CUDA graphs) and ready_s (process start -> engine
+    ready, imports and weights included: what a user waits for)."""
+    rows = []
+    for run in ("cold", "warm"):
+        r = runs[run]
+        target = TARGETS_S.get(model, {}).get(run)
+        spread = runs["warm_ready_s"] if run == "warm" else [r["ready_s"]]
+        compile_capture = sum(r["stages"][k] for k in COMPILE_CAPTURE)
+        row = {"model": model, "run": run if run == "cold" else f"warm (median of {len(spread)})",
+               "compile_capture_s": compile_capture, "ready_s": r["ready_s"], "min_s": min(spread),
+               "max_s": max(spread), **{k: r["stages"][k] for k in STAGES}, "graphs": r["num_graphs"],
+               "target_s": target}
+        if target is not None:
+            row["met"] = "met" if compile_capture <= target else "MISSED"
+            row["ready_met"] = "met" if r["ready_s"] <= target else "MISSED"
+        rows.append(row)
+    return rows
+
+
 def gpu_main(args) -> None:
     from benchmarks.common import print_table, write_result
 
@@ -213,21 +238,15 @@ def gpu_main(args) -> None:
             rows.append({"model": model, "run": "FAILED"})
             print(f"{model}: FAILED\n{result['models'][model]['error']}", flush=True)
             continue
-        for run in ("cold", "warm"):
-            r = runs[run]
-            target = TARGETS_S.get(model, {}).get(run)
-            spread = runs["warm_ready_s"] if run == "warm" else [r["ready_s"]]
-            row = {"model": model, "run": run if run == "cold" else f"warm (median of {len(spread)})",
-                   "ready_s": r["ready_s"], "min_s": min(spread), "max_s": max(spread),
-                   **{k: r["stages"][k] for k in STAGES}, "graphs": r["num_graphs"], "target_s": target,
-                   "met": None if target is None else ("met" if r["ready_s"] <= target else "MISSED")}
-            rows.append(row)
+        rows += startup_rows(model, runs)
     path = write_result("bench_compile_gpu", {**result, "rows": rows}, args.out)
     devices = sorted({r["device"] for runs in result["models"].values() for r in runs.values()
                       if isinstance(r, dict) and "device" in r})
     print(f"\nengine startup ({', '.join(devices)}), seconds from process start to engine ready (cold: empty compile"
           " + Inductor caches; capture includes the KV cache allocation)")
-    print_table(rows, ["model", "run", "ready_s", "min_s", "max_s", *STAGES, "graphs", "target_s", "met"])
+    print("met: compile + capture <= target; ready_met: process start -> ready <= target")
+    print_table(rows, ["model", "run", "compile_capture_s", "ready_s", "min_s", "max_s", *STAGES, "graphs", "target_s",
+                       "met", "ready_met"])
     print(f"wrote {path}")
 
 
