@@ -89,3 +89,21 @@ def test_decode_timing_keeps_every_request_decoding():
     for _ in range(steps):
         engine.step()
     assert engine.scheduler.num_running < batch
+
+
+def test_startup_rows_judge_compile_capture_and_ready():
+    from benchmarks.bench_compile import STAGES, startup_rows
+
+    def run(ready, **stages):
+        return {"ready_s": ready, "num_graphs": 3, "stages": {k: stages.get(k, 0.0) for k in STAGES}}
+
+    runs = {"cold": run(18.0, imports=3.0, dynamo=5.0, passes_lowering=3.0, inductor=2.5, capture=2.0),
+            "warm": run(6.5, imports=3.5, cache_load=0.5, capture=1.5),
+            "warm_ready_s": [6.0, 6.5, 7.2]}
+    cold, warm = startup_rows("dummy:smollm2-135m", runs)
+    assert cold["compile_capture_s"] == 12.5 and cold["met"] == "met" and cold["ready_met"] == "met"  # target 20
+    assert warm["run"] == "warm (median of 3)"
+    assert warm["compile_capture_s"] == 2.0 and warm["met"] == "met"  # target 5: compile + capture
+    assert warm["ready_met"] == "MISSED" and (warm["min_s"], warm["max_s"]) == (6.0, 7.2)  # 6.5 s from process start
+    (other,) = startup_rows("dummy:qwen3-0.6b", runs)[1:]  # no target: judged by neither
+    assert "met" not in other and other["target_s"] is None
