@@ -240,8 +240,7 @@ def gpu_main(args) -> None:
             continue
         rows += startup_rows(model, runs)
     path = write_result("bench_compile_gpu", {**result, "rows": rows}, args.out)
-    devices = sorted({r["device"] for runs in result["models"].values() for r in runs.values()
-                      if isinstance(r, dict) and "device" in r})
+    devices = sorted({r["device"] for runs in result["models"].values() for r in runs.values() if isinstance(r, dict)})
     print(f"\nengine startup ({', '.join(devices)}), seconds from process start to engine ready (cold: empty compile"
           " + Inductor caches; capture includes the KV cache allocation)")
     print("met: compile + capture <= target; ready_met: process start -> ready <= target")

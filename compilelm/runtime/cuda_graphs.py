@@ -25,12 +25,11 @@ reuse the largest one's activation memory.
 Memory: graphs hold the KV cache's addresses, so they are captured after the cache exists. The
 engine sizes the cache leaving `memory.cuda_memory_reserve` free (an estimate of eager
 activations + the graphs + logits); measured and estimated sizes are logged after capture.
-On an H100, smollm2-135m -O2 (bench_compile_gpu_13aa978.json, warm): piecewise graphs of 1..512
-tokens (31 pieces x 51 sizes) in 0.9 s and 384 MiB, then full graphs of 1..256 in 0.3 s and 30 MiB
-more (the pool is reused); piece graphs now instantiate on first replay (piecewise_graphs.py), so
-their startup takes ~180 MiB (lazy_instantiate_ab_gpu.log). A mixed step of 8 decodes + a
-128-token prefill chunk: 2.0 ms with piecewise graphs, 6.6 ms without (measured at an earlier
-commit).
+On an H100, smollm2-135m -O2 (warm start, lazy_instantiate_ab_gpu.log): piecewise graphs of
+1..512 tokens (31 pieces x 51 sizes) in ~0.9 s and 180 MiB (each is instantiated on its first
+replay, piecewise_graphs.py), then full graphs of 1..256 in 0.3-0.5 s and 28 MiB more (the pool
+is reused). A mixed step of 8 decodes + a 128-token prefill chunk: 2.0 ms with piecewise graphs,
+6.6 ms without (measured at an earlier commit).
 
 The argmax kernel at the end of a full graph also made batch-64 graphs faster in an A/B on one
 H100: 135M 1.77 -> 1.64 ms, 8B 9.70 -> 9.55 ms (the kernels after cuBLAS GEMMs started ~0.7 us
