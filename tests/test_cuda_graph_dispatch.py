@@ -155,3 +155,8 @@ def test_input_buffers_pack_a_step_at_fixed_offsets():
     assert big[0].tolist() == [10, 11, 12, 13] + [0] * 12 and big[2].slot_mapping.tolist()[3:5] == [43, -1]
     assert big[2].seq_lens.tolist() == [6, 7, 8, 9] and big[2].block_tables[3].tolist() == [7, 8, 0]
     assert big[2].cu_seqlens_q.data_ptr() != first[2].cu_seqlens_q.data_ptr()
+    # every field starts 16-byte aligned (a compiled piece copies a misaligned input before each call)
+    for step in (first, second, big, buffers.load(batch([1, 2, 3]), 3, 3, 3, pending=(np.array([1]), np.array([0])))):
+        ids, pos, meta, logits_idx, pending = step
+        tensors = [ids, pos, logits_idx, meta.slot_mapping, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables]
+        assert all(t.data_ptr() % 16 == 0 for t in tensors + list(pending or ()))
