@@ -103,6 +103,18 @@ TORCH_LIBRARY(compilelm, m) {
       "-> (Tensor, Tensor)");
   // x: [M, 2K] (gate | up) -> (silu(gate) * up) @ weight.T with SiluAndMul's roundings; weight: [N, K].
   m.def("silu_mul_skinny_mm(Tensor x, Tensor weight) -> Tensor");
+  // The QKV projection (rms_norm_skinny_mm / fused_add_rms_norm_skinny_mm; weight rows: q | k | v
+  // heads, num_heads query heads, the cache's kv heads and head_size) followed by rope_and_cache
+  // of its q | k | v: returns the rotated query [M, num_heads, head_size] (and residual_out),
+  // writes the rotated key and the value to their cache slots. One kernel on CUDA at M <= 2.
+  m.def(
+      "rms_norm_skinny_mm_rope(Tensor x, Tensor norm_weight, float eps, Tensor weight, Tensor positions, "
+      "Tensor cos_sin_cache, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, int num_heads) "
+      "-> Tensor");
+  m.def(
+      "fused_add_rms_norm_skinny_mm_rope(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight, "
+      "Tensor positions, Tensor cos_sin_cache, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, "
+      "int num_heads) -> (Tensor, Tensor)");
 
   // x: [rows, vocab] (float32, bfloat16 or float16) -> int64 [rows]: the index of each row's first
   // maximum, NaN counting as the maximum (torch.argmax(x, -1)). One kernel on CUDA (greedy sampling).

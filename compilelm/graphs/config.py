@@ -25,7 +25,7 @@ _LEVEL_DEFAULTS: dict[int, dict] = {
     1: {"cudagraph_mode": "piecewise",
         "passes": {"fuse_rope_attention": False, "fuse_norm_quant": False, "fuse_act_quant": False,
                    "fuse_allreduce_rms": False, "fuse_norm_skinny_mm": False,
-                   "fuse_act_skinny_mm": False}},
+                   "fuse_act_skinny_mm": False, "fuse_qkv_rope": False}},
     2: {},
     3: {"compile_sizes": (1, 2, 4, 8), "max_autotune": True},
 }
@@ -42,7 +42,8 @@ class CompileConfig:
     level: int = 2
     # Ops the graph is split at ("namespace::name"); each stays an opaque call between pieces.
     splitting_ops: tuple[str, ...] = ("compilelm::unified_attention", "compilelm::unified_attention_rope",
-                                      "compilelm::unified_attention_qknorm_rope")
+                                      "compilelm::unified_attention_qknorm_rope",
+                                      "compilelm::unified_attention_rotated")
     # Token counts compiled with static shapes besides the symbolic range.
     compile_sizes: tuple[int, ...] = ()
     max_autotune: bool = False  # Inductor max-autotune for the static compile sizes

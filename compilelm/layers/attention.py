@@ -22,16 +22,16 @@ from compilelm.forward_context import get_forward_context
 _lib = torch.library.Library("compilelm", "FRAGMENT")  # the namespace is csrc/ops.cpp's
 
 
-def _define(schema: str):
+def _define(schema: str, fake=lambda q, *args: torch.empty_like(q)):
     """Registers the decorated function as compilelm::<schema>, functional (no argument mutated:
     the KV cache is written through the forward context), the same kernel on every device, with
-    a fake that returns empty_like(q)."""
+    `fake` (by default one that returns empty_like(q))."""
     name = schema.split("(", 1)[0]
 
     def register(fn):
         _lib.define(schema)
         _lib.impl(name, fn, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"compilelm::{name}", lambda q, *args: torch.empty_like(q), lib=_lib)
+        torch.library.register_fake(f"compilelm::{name}", fake, lib=_lib)
         return fn
 
     return register
@@ -50,6 +50,7 @@ def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_n
     ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
     out = ops.paged_attention(q.view(num_tokens, -1, head_dim), key_cache, value_cache,
                               meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, head_dim ** -0.5, meta.max_query_len)
+    ctx.attention_done(layer_name)
     return out.view(num_tokens, -1)
 
 
@@ -62,6 +63,7 @@ def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_n
 
 def _rope_and_attention(q, k, v, q_norm_weight, k_norm_weight, eps, positions, cos_sin_cache, head_dim, layer_name):
     ctx = get_forward_context()
+    ctx.attention_done(layer_name)
     meta = ctx.attn_metadata
     key_cache, value_cache = ctx.kv_caches[layer_name]
     n = q.shape[0]
@@ -96,6 +98,79 @@ def unified_attention_qknorm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     # Qwen3: per-head RMSNorm of q and k (weights: [head_dim]), then RoPE, then attention.
     return _rope_and_attention(q, k, v, q_norm_weight, k_norm_weight, eps, positions, cos_sin_cache, head_dim,
                                layer_name)
+
+
+# Small models (query width <= SMALL_QUERY_WIDTH) keep RoPE out of the attention kernel (csrc:
+# kSmallModelQueryWidth): `RopeAttentionFusionPass` rewrites their rope(q, k) -> unified_attention
+# to `rope_cache` (RoPE + the KV-cache write, inside the piece before the split) and
+# `unified_attention_rotated` (the splitting op), and at decode sizes on CUDA the projection
+# before it takes the rope in (`QKVRopeFusionPass`: `rms_norm_qkv_rope`). The ops inside the
+# pieces write the cache of the next attention layer (ForwardContext.next_kv_cache): no layer
+# name in them, so that the layers' pieces stay alike (compiled once). Their outputs are
+# contiguous [num_tokens, num_heads * head_dim], as the fakes say (new_empty).
+SMALL_QUERY_WIDTH = 1024
+
+
+def _query_fake(q, *args):
+    return q.new_empty(q.shape)
+
+
+@_define("rope_cache(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin_cache, SymInt head_dim) "
+         "-> Tensor", _query_fake)
+def rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+               cos_sin_cache: torch.Tensor, head_dim: int) -> torch.Tensor:
+    # -> rotated q [num_tokens, num_heads * head_dim]; the rotated k and v go to the next layer's cache
+    ctx = get_forward_context()
+    key_cache, value_cache = ctx.next_kv_cache()
+    n = q.shape[0]
+    q = ops.rope_and_cache(positions, q.view(n, -1, head_dim), k.view(n, -1, head_dim), v.view(n, -1, head_dim),
+                           cos_sin_cache, None, None, 0.0, key_cache, value_cache, ctx.attn_metadata.slot_mapping)
+    return q.view(n, -1)
+
+
+@_define("unified_attention_rotated(Tensor q, str layer_name) -> Tensor", _query_fake)
+def unified_attention_rotated(q: torch.Tensor, layer_name: str) -> torch.Tensor:
+    # q: [num_tokens, num_heads * head_dim], rotated; this step's k and v already in the cache
+    ctx = get_forward_context()
+    meta = ctx.attn_metadata
+    key_cache, value_cache = ctx.kv_caches[layer_name]
+    n, head_dim = q.shape[0], key_cache.shape[3]
+    out = ops.paged_attention(q.view(n, -1, head_dim), key_cache, value_cache, meta.cu_seqlens_q, meta.seq_lens,
+                              meta.block_tables, head_dim ** -0.5, meta.max_query_len)
+    ctx.attention_done(layer_name)
+    return out.view(n, -1)
+
+
+def _qkv_rope_fake(x, norm_weight, eps, weight, positions, cos_sin_cache, num_heads):
+    return x.new_empty((x.shape[0], num_heads * cos_sin_cache.shape[1]))
+
+
+def _add_qkv_rope_fake(x, residual, *args):
+    return _qkv_rope_fake(x, *args), x.new_empty(x.shape)
+
+
+@_define("rms_norm_qkv_rope(Tensor x, Tensor norm_weight, float eps, Tensor weight, Tensor positions, "
+         "Tensor cos_sin_cache, int num_heads) -> Tensor", _qkv_rope_fake)
+def rms_norm_qkv_rope(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                      positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
+    # rope_cache of the q | k | v of rms_norm(x) @ weight.T -> rotated q [num_tokens, num_heads * head_dim]
+    ctx = get_forward_context()
+    q = ops.rms_norm_skinny_mm_rope(x, norm_weight, eps, weight, positions, cos_sin_cache, *ctx.next_kv_cache(),
+                                    ctx.attn_metadata.slot_mapping, num_heads)
+    return q.view(x.shape[0], -1)
+
+
+@_define("fused_add_rms_norm_qkv_rope(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight, "
+         "Tensor positions, Tensor cos_sin_cache, int num_heads) -> (Tensor, Tensor)", _add_qkv_rope_fake)
+def fused_add_rms_norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                                weight: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                                num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # the same of rms_norm(x + residual) -> (rotated q, x + residual)
+    ctx = get_forward_context()
+    q, residual = ops.fused_add_rms_norm_skinny_mm_rope(x, residual, norm_weight, eps, weight, positions,
+                                                        cos_sin_cache, *ctx.next_kv_cache(),
+                                                        ctx.attn_metadata.slot_mapping, num_heads)
+    return q.view(x.shape[0], -1), residual
 
 
 class Attention(nn.Module):

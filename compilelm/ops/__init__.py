@@ -32,13 +32,16 @@ from compilelm.ops.linear import (  # noqa: E402
 )
 from compilelm.ops.norm import fused_add_rms_norm, fused_add_rms_norm_ref  # noqa: E402
 from compilelm.ops.rope_cache import (  # noqa: E402
-    rope_and_cache, rope_and_cache_ref, rope_paged_attention, rope_paged_attention_ref,
+    fused_add_rms_norm_skinny_mm_rope, fused_add_rms_norm_skinny_mm_rope_ref, rms_norm_skinny_mm_rope,
+    rms_norm_skinny_mm_rope_ref, rope_and_cache, rope_and_cache_ref, rope_paged_attention, rope_paged_attention_ref,
 )
 from compilelm.ops.sampling import argmax_rows, argmax_rows_ref  # noqa: E402
 from compilelm.ops import quant  # noqa: E402, F401  (registers the fp8 ops' CPU and fake impls)
 
 __all__ = ["argmax_rows", "argmax_rows_ref", "fused_add_rms_norm", "fused_add_rms_norm_ref", "fused_add_rms_norm_skinny_mm",
+           "fused_add_rms_norm_skinny_mm_rope", "fused_add_rms_norm_skinny_mm_rope_ref",
            "fused_add_rms_norm_skinny_mm_ref", "paged_attention", "paged_attention_ref", "reshape_and_cache",
-           "reshape_and_cache_ref", "rms_norm_skinny_mm", "rms_norm_skinny_mm_ref", "rope_and_cache",
+           "reshape_and_cache_ref", "rms_norm_skinny_mm", "rms_norm_skinny_mm_ref",
+           "rms_norm_skinny_mm_rope", "rms_norm_skinny_mm_rope_ref", "rope_and_cache",
            "rope_and_cache_ref", "rope_paged_attention", "rope_paged_attention_ref", "skinny_mm", "skinny_mm_argmax_out",
            "skinny_mm_out", "skinny_mm_ref"]

@@ -9,6 +9,10 @@ reshape_and_cache), which is also the reference of the GPU tests.
 rope_paged_attention: rope_and_cache (no QK-norm) and then paged_attention of the rotated query,
 as one op: on CUDA a pure-decode batch runs as ONE kernel (csrc/cuda/paged_attention_decode.cu,
 kRope), where the decode kernel rotates the query and the new key itself; elsewhere the two ops.
+
+rms_norm_skinny_mm_rope / fused_add_rms_norm_skinny_mm_rope: a small model's QKV projection
+(compilelm.ops.linear's norm + skinny_mm ops) followed by rope_and_cache of its q | k | v: on
+CUDA at M <= 2 one kernel (csrc/cuda/skinny_mm.cu, kRope), elsewhere the two ops.
 """
 
 import torch
@@ -17,6 +21,7 @@ from torch import Tensor
 from compilelm.layers.layernorm import rms_norm
 from compilelm.layers.rotary_embedding import apply_rope
 from compilelm.ops.attention import paged_attention_ref
+from compilelm.ops.linear import fused_add_rms_norm_skinny_mm_ref, rms_norm_skinny_mm_ref
 
 
 def rope_and_cache(
@@ -101,3 +106,71 @@ def _(positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_
 def _(positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping, cu_seqlens_q, seq_lens,
       block_tables, scale, max_query_len=0):
     return query.new_empty(query.shape)
+
+
+def rms_norm_skinny_mm_rope(
+    x: Tensor,  # [M, K]
+    norm_weight: Tensor,  # [K]
+    eps: float,
+    weight: Tensor,  # [(num_heads + 2 * num_kv_heads) * head_size, K]: q | k | v rows
+    positions: Tensor,  # int64 [M]
+    cos_sin_cache: Tensor,  # [max_position, head_size]
+    key_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size], written in place
+    value_cache: Tensor,  # written in place
+    slot_mapping: Tensor,  # int64 [M]; -1 skips
+    num_heads: int,
+) -> Tensor:  # rotated query, [M, num_heads, head_size] contiguous
+    return torch.ops.compilelm.rms_norm_skinny_mm_rope.default(x, norm_weight, eps, weight, positions, cos_sin_cache,
+                                                               key_cache, value_cache, slot_mapping, num_heads)
+
+
+def fused_add_rms_norm_skinny_mm_rope(x, residual, norm_weight, eps, weight, positions, cos_sin_cache, key_cache,
+                                      value_cache, slot_mapping, num_heads) -> tuple[Tensor, Tensor]:
+    # -> (rotated query, x + residual); the projection normalizes x + residual
+    return torch.ops.compilelm.fused_add_rms_norm_skinny_mm_rope.default(
+        x, residual, norm_weight, eps, weight, positions, cos_sin_cache, key_cache, value_cache, slot_mapping,
+        num_heads)
+
+
+def _rope_qkv_ref(qkv, positions, cos_sin_cache, key_cache, value_cache, slot_mapping, num_heads):
+    """rope_and_cache of the q | k | v columns of a QKV projection's output."""
+    n, kv_heads, head_size = qkv.shape[0], key_cache.shape[2], key_cache.shape[3]
+    q, k, v = (t.view(n, -1, head_size) for t in qkv.split(
+        [num_heads * head_size, kv_heads * head_size, kv_heads * head_size], dim=-1))
+    return rope_and_cache_ref(positions, q, k, v, cos_sin_cache, None, None, 0.0, key_cache, value_cache, slot_mapping)
+
+
+def rms_norm_skinny_mm_rope_ref(x, norm_weight, eps, weight, positions, cos_sin_cache, key_cache, value_cache,
+                                slot_mapping, num_heads) -> Tensor:
+    return _rope_qkv_ref(rms_norm_skinny_mm_ref(x, norm_weight, eps, weight), positions, cos_sin_cache, key_cache,
+                         value_cache, slot_mapping, num_heads)
+
+
+def fused_add_rms_norm_skinny_mm_rope_ref(x, residual, norm_weight, eps, weight, positions, cos_sin_cache, key_cache,
+                                          value_cache, slot_mapping, num_heads) -> tuple[Tensor, Tensor]:
+    qkv, residual = fused_add_rms_norm_skinny_mm_ref(x, residual, norm_weight, eps, weight)
+    return _rope_qkv_ref(qkv, positions, cos_sin_cache, key_cache, value_cache, slot_mapping, num_heads), residual
+
+
+torch.library.register_kernel("compilelm::rms_norm_skinny_mm_rope", "cpu", rms_norm_skinny_mm_rope_ref)
+torch.library.register_kernel("compilelm::fused_add_rms_norm_skinny_mm_rope", "cpu",
+                              fused_add_rms_norm_skinny_mm_rope_ref)
+
+
+def _rope_query_fake(x, weight, key_cache, num_heads):
+    head_size = key_cache.shape[3]
+    torch._check(weight.shape[0] == (num_heads + 2 * key_cache.shape[2]) * head_size,
+                 lambda: f"the QKV weight must be [(num_heads + 2 * num_kv_heads) * head_size, K], got "
+                         f"{tuple(weight.shape)} with num_heads {num_heads} and a cache {tuple(key_cache.shape)}")
+    return x.new_empty((x.shape[0], num_heads, head_size))
+
+
+@torch.library.register_fake("compilelm::rms_norm_skinny_mm_rope")
+def _(x, norm_weight, eps, weight, positions, cos_sin_cache, key_cache, value_cache, slot_mapping, num_heads):
+    return _rope_query_fake(x, weight, key_cache, num_heads)
+
+
+@torch.library.register_fake("compilelm::fused_add_rms_norm_skinny_mm_rope")
+def _(x, residual, norm_weight, eps, weight, positions, cos_sin_cache, key_cache, value_cache, slot_mapping,
+      num_heads):
+    return _rope_query_fake(x, weight, key_cache, num_heads), x.new_empty(x.shape)

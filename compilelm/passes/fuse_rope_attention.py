@@ -13,9 +13,16 @@ math is gone from the pieces. Before (one layer, fp32, as the aten graph shows i
     ... the same for k ...
     attn: "f32[s72, 576]" = compilelm.unified_attention(view(cat), view(cat_1), v, 'model.layers.0.self_attn.attn')
 
-After:
+After (the decode kernel rotates q and k where the model is wider than SMALL_QUERY_WIDTH):
 
     attn: "f32[s72, 576]" = compilelm.unified_attention_rope(q, k, v, positions, cos_sin_cache, 64, 'model.layers.0.self_attn.attn')
+
+and with `passes.fuse_qkv_rope` (the default at -O2), a model up to SMALL_QUERY_WIDTH wide (this
+SmolLM2-135M layer: 576) keeps RoPE and the KV-cache write in the piece before the split, one op
+that the QKV projection takes in on CUDA (`QKVRopeFusionPass`):
+
+    rotated: "f32[s72, 576]" = compilelm.rope_cache(q, k, v, positions, cos_sin_cache, 64)
+    attn: "f32[s72, 576]" = compilelm.unified_attention_rotated(rotated, 'model.layers.0.self_attn.attn')
 
 Qwen3 (per-head RMSNorm of q and k before RoPE) becomes `compilelm.unified_attention_qknorm_rope(
 q, k, v, q_norm_weight, k_norm_weight, eps, positions, cos_sin_cache, head_dim, layer_name)`.
@@ -36,7 +43,7 @@ import operator
 import torch
 from torch._inductor import pattern_matcher as pm
 
-import compilelm.layers.attention  # noqa: F401 (defines the attention ops this pass targets)
+from compilelm.layers.attention import SMALL_QUERY_WIDTH  # (and the attention ops this pass targets)
 from compilelm.layers.layernorm import rms_norm
 from compilelm.layers.rotary_embedding import apply_rope
 from compilelm.passes.base import FusionPass
@@ -85,6 +92,9 @@ def _stand_in_qknorm_rope(q, k, v, q_w, k_w, eps, positions, cos_sin_cache, head
 
 STAND_INS["compilelm::unified_attention_rope"] = _stand_in_rope
 STAND_INS["compilelm::unified_attention_qknorm_rope"] = _stand_in_qknorm_rope
+STAND_INS["compilelm::rope_cache"] = lambda q, k, v, positions, cos_sin_cache, head_dim: _stand_in_rope(
+    q, k, v, positions, cos_sin_cache, head_dim, None)  # the attention's stand-in, which the attention op's
+STAND_INS["compilelm::unified_attention_rotated"] = lambda q, layer_name: q  # passes on
 
 
 # -- patterns (the model's own RoPE / RMSNorm code, so they stay in sync with it) ------------
@@ -121,6 +131,9 @@ class RopeAttentionFusionPass(FusionPass):
 
     _registered: tuple | None = None  # (patterns, rope_patterns): traced once per process
 
+    def config_dict(self) -> dict:
+        return {"fuse_qkv_rope": self.config.fuse_qkv_rope}
+
     def register(self) -> None:
         cls = type(self)
         if cls._registered is None:
@@ -140,7 +153,7 @@ class RopeAttentionFusionPass(FusionPass):
         self.rope_patterns.apply(graph)
         fused = 0
         for attn in list(graph.find_nodes(op="call_function", target=ops.unified_attention.default)):
-            fused += _fuse(graph, attn)
+            fused += _fuse(graph, attn, self.config.fuse_qkv_rope)
         graph.eliminate_dead_code()
         return fused
 
@@ -158,9 +171,10 @@ def _share_size_inputs(graph: torch.fx.Graph) -> None:
                 node.replace_all_uses_with(kept)
 
 
-def _fuse(graph: torch.fx.Graph, attn: torch.fx.Node) -> int:
+def _fuse(graph: torch.fx.Graph, attn: torch.fx.Node, split_small: bool) -> int:
     """unified_attention(rope(q), rope(k), v), both rotated by the same cos/sin from
-    cos_sin_cache[positions] -> the fused op. Returns 1 if rewritten."""
+    cos_sin_cache[positions] -> the fused op (with `split_small`, small models: rope_cache and
+    unified_attention_rotated). Returns 1 if rewritten."""
     q, k, v, layer_name = attn.args
     if not all(isinstance(t, torch.fx.Node) and len(t.users) == 1 for t in (q, k)) or q.target != k.target:
         return 0
@@ -180,11 +194,22 @@ def _fuse(graph: torch.fx.Graph, attn: torch.fx.Node) -> int:
     cache, positions = source
     head_dim = 2 * int(cos.meta["val"].shape[-1])
     with graph.inserting_before(attn):
-        fused = graph.call_function(target, (q_in, k_in, v, *norm_args, positions, cache, head_dim, layer_name))
+        if split_small and not norm_args and _query_width(q_in) <= SMALL_QUERY_WIDTH:  # RoPE before the split
+            rotated = graph.call_function(ops.rope_cache.default, (q_in, k_in, v, positions, cache, head_dim))
+            rotated.meta = dict(attn.meta)  # (shaped like attention's output)
+            fused = graph.call_function(ops.unified_attention_rotated.default, (rotated, layer_name))
+        else:
+            fused = graph.call_function(target, (q_in, k_in, v, *norm_args, positions, cache, head_dim, layer_name))
     fused.meta = dict(attn.meta)
     attn.replace_all_uses_with(fused)
     graph.erase_node(attn)
     return 1
+
+
+def _query_width(q: torch.fx.Node) -> int:
+    """num_heads * head_dim of the query (a large number where it is not known)."""
+    width = q.meta["val"].shape[-1] if "val" in q.meta else None
+    return width if isinstance(width, int) else 1 << 30
 
 
 def _cos_sin_source(cos, sin) -> tuple[torch.fx.Node, torch.fx.Node] | None:

@@ -4,7 +4,8 @@ Inductor's `post_grad_custom_post_pass` for every piece.
 Order (documented, fixed):
 
     whole graph (before the split):  NoOpElimination, <whole-graph fusions>, <custom whole-graph>
-    post-grad (per piece):           NoOpElimination, UnfuseResidualAddmm, SkinnyMM, RMSNormSkinnyMM, SiluMulSkinnyMM, <fusions>,
+    post-grad (per piece):           NoOpElimination, UnfuseResidualAddmm, SkinnyMM, RMSNormSkinnyMM, SiluMulSkinnyMM,
+                                     QKVRope, <fusions>,
                                      <custom post-grad>,
                                      then always the tail: Cleanup, InplaceLowering, Cleanup
 
@@ -51,6 +52,9 @@ class PassManager(CustomGraphPass):
         if config.fuse_act_skinny_mm:  # after SkinnyMM, likewise
             from compilelm.passes.fuse_act_skinny_mm import SiluMulSkinnyMMFusionPass
             self.post_grad.append(SiluMulSkinnyMMFusionPass(config))
+        if config.fuse_qkv_rope:  # after RMSNormSkinnyMM: it fuses into the normed projections
+            from compilelm.passes.fuse_qkv_rope import QKVRopeFusionPass
+            self.post_grad.append(QKVRopeFusionPass(config))
         # Fusion passes are appended here, in order, each behind its PassConfig switch.
         if config.fuse_allreduce_rms:
             from compilelm.passes.fuse_allreduce_rms import AllReduceRMSNormFusionPass

@@ -63,14 +63,16 @@ def stand_in(*args):
 
 
 # Fused attention ops stand in as their prologue followed by `stand_in` (op name -> function),
-# so that a fusion pass verifies to the same numbers as the graph it rewrote.
+# so that a fusion pass verifies to the same numbers as the graph it rewrote. Ops listed here
+# that are not splitting ops (they write the KV cache inside a piece) are replaced as well.
 STAND_INS: dict[str, Callable] = {}
 
 
 def replace_ops(gm: torch.fx.GraphModule, ops: tuple[str, ...]) -> torch.fx.GraphModule:
-    """Point every call of an op named in `ops` ("namespace::name") at `stand_in`."""
+    """Point every call of an op named in `ops` ("namespace::name") or in STAND_INS at its stand-in."""
+    names = set(ops) | set(STAND_INS)
     for node in gm.graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, OpOverload) and node.target._schema.name in ops:
+        if node.op == "call_function" and isinstance(node.target, OpOverload) and node.target._schema.name in names:
             node.target = STAND_INS.get(node.target._schema.name, stand_in)
     gm.recompile()
     return gm

@@ -110,6 +110,14 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_skinny_mm(const at::Tensor
                                                                 const at::Tensor& norm_weight, double eps,
                                                                 const at::Tensor& weight);
 at::Tensor silu_mul_skinny_mm(const at::Tensor& x, const at::Tensor& weight);
+at::Tensor rms_norm_skinny_mm_rope(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
+                                   const at::Tensor& weight, const at::Tensor& positions,
+                                   const at::Tensor& cos_sin_cache, at::Tensor& key_cache, at::Tensor& value_cache,
+                                   const at::Tensor& slot_mapping, int64_t num_heads);
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_skinny_mm_rope(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm_weight, double eps,
+    const at::Tensor& weight, const at::Tensor& positions, const at::Tensor& cos_sin_cache, at::Tensor& key_cache,
+    at::Tensor& value_cache, const at::Tensor& slot_mapping, int64_t num_heads);
 
 // argmax_kernels.cu
 at::Tensor argmax_rows(const at::Tensor& x);

@@ -21,6 +21,14 @@
 // norm is redone per block (4 columns), not per warp: applying it per warp and chunk made the
 // kernel ALU-bound (8B gate_up 82 -> 139 us on an H100).
 //
+// rms_norm_skinny_mm_rope / fused_add_rms_norm_skinny_mm_rope are the QKV projection of a small
+// model with rope_and_cache in its epilogue (kRope): the output columns q | k | v never reach
+// memory. A block's four warps compute the rotation pairs (j, j + 1, j + D/2, j + D/2 + 1) of one
+// head; after the warp reductions two warps per row rotate the pairs (rope_and_cache's numbers:
+// the projection rounded to T, cos/sin rounded to T, one rounding after the rotation) and write
+// the query, or the key and value rows to their cache slot. Decode attention, launched next,
+// starts at once (the norm variants let it) and finds this step's cache rows after its wait.
+//
 // silu_mul_skinny_mm takes the MLP's gate_up output [M, 2K] and applies SiLU-and-mul (eager's
 // roundings, T(T(silu(gate)) * up), the exp in fast math) the same way: once per block, into
 // shared memory, before the weight stream. (Applied per warp as each chunk was read, it cost
@@ -54,6 +62,7 @@
 #include "cuda/convert.cuh"
 #include "cuda/cuda_ops.h"
 #include "cuda/launch.cuh"
+#include "cuda/launchers.h"
 
 namespace compilelm::cuda {
 namespace {
@@ -112,13 +121,23 @@ __device__ __forceinline__ void dot_step(const uint4 (&wv)[kLoads], int base, in
   }
 }
 
-template <typename T, int M, Prologue kPro>
-__global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyParams p) {
+// kRope: the column of `warp` in block b: the block holds rotation pairs j, j + 1 (warps 0, 1)
+// and j + D/2, j + D/2 + 1 (warps 2, 3) of head b / (D / kWarps).
+__device__ __forceinline__ int rope_column(int block, int warp, int head_size) {
+  const int blocks_per_head = head_size / kWarps;
+  const int j = block % blocks_per_head * 2 + warp % 2;
+  return block / blocks_per_head * head_size + j + warp / 2 * (head_size / 2);
+}
+
+template <typename T, int M, Prologue kPro, bool kRope>
+__global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyParams p, const RopeCacheParams r) {
+  static_assert(!kRope || kPro == Prologue::kRms || kPro == Prologue::kAddRms, "RoPE: the QKV projection's variants");
   constexpr int kVec = 16 / sizeof(T);
   extern __shared__ uint4 s_rows[];  // the prologue variants: the GEMV's input rows as T, [M][k]
   __shared__ float s_sum_sq[kWarps][M];
+  __shared__ float s_pair[kWarps][M];  // kRope: the block's columns, rounded to T
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int n = blockIdx.x * kWarps + warp;
+  const int n = kRope ? rope_column(blockIdx.x, warp, r.head_size) : blockIdx.x * kWarps + warp;
   const bool active = n < p.n_cols;  // (no early return: the norm's block syncs need every thread)
   const T* row = static_cast<const T*>(p.w) + static_cast<int64_t>(active ? n : 0) * p.w_stride;
   const int chunks = p.k / kVec;  // 16-byte chunks of one row
@@ -137,6 +156,22 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
   constexpr bool kEarlyDependents = kPro == Prologue::kRms || kPro == Prologue::kAddRms;
   if constexpr (kEarlyDependents) allow_dependent_kernels();
   load_step(lane);
+  // kRope: lane m of warps 0 and 1 rotates row m's pair of this warp's column (j < D/2); its
+  // slot, and cos/sin at its position rounded to T, are loaded before the wait (metadata)
+  const bool rotates = kRope && warp < 2 && lane < M;
+  int64_t rope_slot = -1;
+  float rope_cos = 0.f, rope_sin = 0.f;
+  if (rotates) {
+    const int64_t at = r.positions[lane] * r.head_size + n % r.head_size;
+    rope_slot = r.slot_mapping[lane];
+    if (r.cos_sin_fp32) {
+      rope_cos = round_to<T>(static_cast<const float*>(r.cos_sin_cache)[at]);
+      rope_sin = round_to<T>(static_cast<const float*>(r.cos_sin_cache)[at + r.head_size / 2]);
+    } else {
+      rope_cos = to_float(static_cast<const T*>(r.cos_sin_cache)[at]);
+      rope_sin = to_float(static_cast<const T*>(r.cos_sin_cache)[at + r.head_size / 2]);
+    }
+  }
   wait_for_prior_kernels();  // PDL (launch.cuh): before any read of earlier kernels' outputs
   if constexpr (!kEarlyDependents) allow_dependent_kernels();
 
@@ -232,7 +267,36 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
   for (int m = 0; m < M; ++m) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], offset);
-    if (lane == 0) static_cast<T*>(p.y)[m * p.y_stride + n] = from_float<T>(acc[m]);
+    if (lane == 0) {
+      if constexpr (kRope) {
+        s_pair[warp][m] = round_to<T>(acc[m]);
+      } else {
+        static_cast<T*>(p.y)[m * p.y_stride + n] = from_float<T>(acc[m]);
+      }
+    }
+  }
+  if constexpr (kRope) {  // (every warp of a kRope block is active: whole heads of columns)
+    __syncthreads();
+    if (!rotates) return;
+    const int m = lane, head = n / r.head_size, j = n % r.head_size, half = r.head_size / 2;
+    const float lo = s_pair[warp][m], hi = s_pair[warp + 2][m];
+    T* dst;
+    if (head < r.num_heads) {
+      dst = static_cast<T*>(r.q_out) + (static_cast<int64_t>(m) * r.num_heads + head) * r.head_size;
+    } else if (rope_slot >= 0 && rope_slot < r.num_slots) {
+      const int kv = head - r.num_heads;  // key heads, then value heads
+      dst = static_cast<T*>(kv < r.num_kv_heads ? r.key_cache : r.value_cache) +
+            (rope_slot * r.num_kv_heads + kv % r.num_kv_heads) * r.head_size;
+      if (kv >= r.num_kv_heads) {  // value: as it is
+        dst[j] = from_float<T>(lo);
+        dst[j + half] = from_float<T>(hi);
+        return;
+      }
+    } else {
+      return;  // padding row: no cache write
+    }
+    dst[j] = from_float<T>(rope_rotate(lo, hi, rope_cos, rope_sin, /*upper=*/false));
+    dst[j + half] = from_float<T>(rope_rotate(hi, lo, rope_cos, rope_sin, /*upper=*/true));
   }
 }
 
@@ -325,15 +389,15 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_argmax_kernel(const Ski
   if (threadIdx.x == 0) *sink.arrivals = 0;
 }
 
-template <typename T, Prologue kPro>
-void launch(const SkinnyParams& p, int64_t rows) {
+template <typename T, Prologue kPro, bool kRope = false>
+void launch(const SkinnyParams& p, int64_t rows, const RopeCacheParams& r = {}) {
   const dim3 grid((p.n_cols + kWarps - 1) / kWarps), block(kWarps * 32);
   const size_t shared = kPro == Prologue::kNone ? 0 : rows * p.k * sizeof(T);  // <= kMaxSharedBytes
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (rows == 1) {
-    launch_kernel(skinny_mm_kernel<T, 1, kPro>, grid, block, shared, stream, p);
+    launch_kernel(skinny_mm_kernel<T, 1, kPro, kRope>, grid, block, shared, stream, p, r);
   } else {
-    launch_kernel(skinny_mm_kernel<T, 2, kPro>, grid, block, shared, stream, p);
+    launch_kernel(skinny_mm_kernel<T, 2, kPro, kRope>, grid, block, shared, stream, p, r);
   }
 }
 
@@ -360,12 +424,12 @@ void launch_argmax(const SkinnyParams& p, const ArgmaxSink& sink, int64_t rows, 
   }
 }
 
-template <Prologue kPro>
-void dispatch(const SkinnyParams& p, at::ScalarType dtype, int64_t rows) {
+template <Prologue kPro, bool kRope = false>
+void dispatch(const SkinnyParams& p, at::ScalarType dtype, int64_t rows, const RopeCacheParams& r = {}) {
   switch (dtype) {
-    case at::kBFloat16: return launch<__nv_bfloat16, kPro>(p, rows);
-    case at::kHalf: return launch<__half, kPro>(p, rows);
-    default: return launch<float, kPro>(p, rows);
+    case at::kBFloat16: return launch<__nv_bfloat16, kPro, kRope>(p, rows, r);
+    case at::kHalf: return launch<__half, kPro, kRope>(p, rows, r);
+    default: return launch<float, kPro, kRope>(p, rows, r);
   }
 }
 
@@ -413,10 +477,9 @@ SkinnyParams mm_params(const at::Tensor& x, const at::Tensor& weight, at::Tensor
   return p;
 }
 
-// rms_norm(x (+ residual)) @ weight.T -> (y, residual_out or undefined)
-std::tuple<at::Tensor, at::Tensor> norm_mm(const at::Tensor& x, const at::Tensor* residual,
-                                           const at::Tensor& norm_weight, double eps, const at::Tensor& weight,
-                                           const char* op) {
+// Checks a norm op's arguments; true where its kernel takes them (else the norm kernel and cuBLAS).
+bool norm_mm_fuses(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& norm_weight,
+                   const at::Tensor& weight, const char* op) {
   check_mm(x, weight, op);
   TORCH_CHECK(norm_weight.device() == x.device() && norm_weight.dim() == 1 && norm_weight.size(0) == x.size(1) &&
                   norm_weight.scalar_type() == x.scalar_type(),
@@ -428,29 +491,77 @@ std::tuple<at::Tensor, at::Tensor> norm_mm(const at::Tensor& x, const at::Tensor
                 op, ": residual must match x (", x.sizes(), " ", x.scalar_type(), "), got ", residual->sizes(), " ",
                 residual->scalar_type(), " on ", residual->device());
   }
-  const bool fast = fast_path(x, weight) && (residual == nullptr || aligned_rows(*residual)) &&
-                    norm_weight.stride(0) == 1 && reinterpret_cast<uintptr_t>(norm_weight.const_data_ptr()) % 16 == 0 &&
-                    x.size(0) * x.size(1) * x.element_size() <= kMaxSharedBytes;
-  if (!fast) {  // the norm kernel, then cuBLAS
+  return fast_path(x, weight) && (residual == nullptr || aligned_rows(*residual)) && norm_weight.stride(0) == 1 &&
+         reinterpret_cast<uintptr_t>(norm_weight.const_data_ptr()) % 16 == 0 &&
+         x.size(0) * x.size(1) * x.element_size() <= kMaxSharedBytes;
+}
+
+// rms_norm(x (+ residual)) @ weight.T -> (y, residual_out or undefined). With `rope` (where
+// norm_mm_fuses) the kernel leaves y unwritten: its epilogue rotates the columns q | k | v as
+// rope_and_cache with those params would.
+std::tuple<at::Tensor, at::Tensor> norm_mm(const at::Tensor& x, const at::Tensor* residual,
+                                           const at::Tensor& norm_weight, double eps, const at::Tensor& weight,
+                                           const char* op, const RopeCacheParams* rope = nullptr) {
+  if (!norm_mm_fuses(x, residual, norm_weight, weight, op)) {  // the norm kernel, then cuBLAS
     if (residual == nullptr) return {at::mm(rms_norm(x, norm_weight, eps), weight.t()), at::Tensor()};
     auto [normed, residual_out] = fused_add_rms_norm(x, *residual, norm_weight, eps);
     return {at::mm(normed, weight.t()), residual_out};
   }
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
+  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());  // (with rope: not written)
   SkinnyParams p = mm_params(x, weight, y);
   p.norm_weight = norm_weight.const_data_ptr();
   p.eps = static_cast<float>(eps);
-  if (residual == nullptr) {
-    dispatch<Prologue::kRms>(p, x.scalar_type(), x.size(0));
-    return {y, at::Tensor()};
+  at::Tensor residual_out;
+  if (residual != nullptr) {
+    residual_out = at::empty(x.sizes(), x.options());
+    p.residual = residual->const_data_ptr();
+    p.residual_stride = residual->stride(0);
+    p.residual_out = residual_out.mutable_data_ptr();
   }
-  at::Tensor residual_out = at::empty(x.sizes(), x.options());
-  p.residual = residual->const_data_ptr();
-  p.residual_stride = residual->stride(0);
-  p.residual_out = residual_out.mutable_data_ptr();
-  dispatch<Prologue::kAddRms>(p, x.scalar_type(), x.size(0));
+  const auto dtype = x.scalar_type();
+  const int64_t rows = x.size(0);
+  if (rope == nullptr) {
+    residual == nullptr ? dispatch<Prologue::kRms>(p, dtype, rows) : dispatch<Prologue::kAddRms>(p, dtype, rows);
+  } else {
+    residual == nullptr ? dispatch<Prologue::kRms, true>(p, dtype, rows, *rope)
+                        : dispatch<Prologue::kAddRms, true>(p, dtype, rows, *rope);
+  }
   return {y, residual_out};
+}
+
+// The QKV projection with rope_and_cache after it: (rotated q [M, num_heads, head_size],
+// residual_out or undefined). One kernel where norm_mm's kernel takes the call, else the
+// projection (norm_mm), then rope_and_cache of its q | k | v.
+std::tuple<at::Tensor, at::Tensor> norm_mm_rope(const at::Tensor& x, const at::Tensor* residual,
+                                                const at::Tensor& norm_weight, double eps, const at::Tensor& weight,
+                                                const at::Tensor& positions, const at::Tensor& cos_sin_cache,
+                                                at::Tensor& key_cache, at::Tensor& value_cache,
+                                                const at::Tensor& slot_mapping, int64_t num_heads, const char* op) {
+  TORCH_CHECK(key_cache.dim() == 4, op, ": key_cache must be [num_blocks, block_size, num_kv_heads, head_size], got ",
+              key_cache.sizes());
+  const int64_t head_size = key_cache.size(3), kv_width = key_cache.size(2) * head_size;
+  TORCH_CHECK(num_heads > 0 && weight.dim() == 2 && weight.size(0) == num_heads * head_size + 2 * kv_width, op,
+              ": weight must be [(num_heads + 2 * num_kv_heads) * head_size, K] = [", num_heads * head_size + 2 * kv_width,
+              ", K] (num_heads ", num_heads, ", the cache's num_kv_heads and head_size), got ", weight.sizes());
+  const bool fused = norm_mm_fuses(x, residual, norm_weight, weight, op);
+  at::Tensor qkv, residual_out;
+  if (fused) {
+    qkv = at::empty({x.size(0), weight.size(0)}, x.options());  // never written: rope_and_cache's checks see its views
+  } else {
+    std::tie(qkv, residual_out) = norm_mm(x, residual, norm_weight, eps, weight, op);
+  }
+  const auto parts = qkv.split_with_sizes({num_heads * head_size, kv_width, kv_width}, 1);
+  const at::Tensor query = parts[0].view({x.size(0), num_heads, head_size});
+  RopeCacheCall call = rope_cache_call(positions, query, parts[1].view({x.size(0), -1, head_size}),
+                                       parts[2].view({x.size(0), -1, head_size}), cos_sin_cache, std::nullopt,
+                                       std::nullopt, 0.0, key_cache, value_cache, slot_mapping);
+  const c10::cuda::CUDAGuard guard(x.device());
+  if (!fused) return {run_rope_and_cache(call, query), residual_out};
+  at::Tensor q_out = at::empty(query.sizes(), query.options());
+  call.params.q_out = q_out.mutable_data_ptr();
+  residual_out = std::get<1>(norm_mm(x, residual, norm_weight, eps, weight, op, &call.params));
+  return {q_out, residual_out};
 }
 
 }  // namespace
@@ -529,6 +640,22 @@ at::Tensor silu_mul_skinny_mm(const at::Tensor& x, const at::Tensor& weight) {
   at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
   dispatch<Prologue::kSiluMul>(mm_params(x, weight, y), x.scalar_type(), x.size(0));
   return y;
+}
+
+at::Tensor rms_norm_skinny_mm_rope(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
+                                   const at::Tensor& weight, const at::Tensor& positions,
+                                   const at::Tensor& cos_sin_cache, at::Tensor& key_cache, at::Tensor& value_cache,
+                                   const at::Tensor& slot_mapping, int64_t num_heads) {
+  return std::get<0>(norm_mm_rope(x, nullptr, norm_weight, eps, weight, positions, cos_sin_cache, key_cache,
+                                  value_cache, slot_mapping, num_heads, "rms_norm_skinny_mm_rope"));
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_skinny_mm_rope(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm_weight, double eps,
+    const at::Tensor& weight, const at::Tensor& positions, const at::Tensor& cos_sin_cache, at::Tensor& key_cache,
+    at::Tensor& value_cache, const at::Tensor& slot_mapping, int64_t num_heads) {
+  return norm_mm_rope(x, &residual, norm_weight, eps, weight, positions, cos_sin_cache, key_cache, value_cache,
+                      slot_mapping, num_heads, "fused_add_rms_norm_skinny_mm_rope");
 }
 
 }  // namespace compilelm::cuda

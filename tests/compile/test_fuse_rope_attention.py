@@ -9,7 +9,7 @@ from torch import nn
 
 from compilelm.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from compilelm.graphs import CompileConfig
-from compilelm.layers.attention import Attention
+from compilelm.layers.attention import SMALL_QUERY_WIDTH, Attention
 from compilelm.layers.layernorm import RMSNorm
 from compilelm.layers.rotary_embedding import RotaryEmbedding
 from compilelm.passes import PassConfig, PassManager
@@ -23,9 +23,10 @@ ROPE_OPS = ("aten.index.Tensor", "aten.cat.default", "aten.sub.Tensor", "aten.rs
 class ToyAttention(nn.Module):
     """qkv -> (QK-norm) -> RoPE -> unified_attention -> o, as LlamaAttention / Qwen3Attention."""
 
-    def __init__(self, qk_norm: bool, dtype=torch.float32):
+    def __init__(self, qk_norm: bool, dtype=torch.float32, heads: int = HEADS):
         super().__init__()
-        self.q_size, self.kv_size = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+        self.heads = heads
+        self.q_size, self.kv_size = heads * HEAD_DIM, KV_HEADS * HEAD_DIM
         self.qkv = nn.Linear(64, self.q_size + 2 * self.kv_size, bias=False, dtype=dtype)
         self.o = nn.Linear(self.q_size, 64, bias=False, dtype=dtype)
         self.rope = RotaryEmbedding(HEAD_DIM, 256, 10000.0)
@@ -34,13 +35,13 @@ class ToyAttention(nn.Module):
         if qk_norm:
             self.q_norm.weight.data.uniform_(0.5, 1.5)
             self.k_norm.weight.data.uniform_(0.5, 1.5)
-        self.attn = Attention(HEADS, KV_HEADS, HEAD_DIM, "layer0")
+        self.attn = Attention(heads, KV_HEADS, HEAD_DIM, "layer0")
 
     def forward(self, x, positions):
         n = x.shape[0]
         q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
-            q = self.q_norm(q.view(n, HEADS, HEAD_DIM)).view(n, self.q_size)
+            q = self.q_norm(q.view(n, self.heads, HEAD_DIM)).view(n, self.q_size)
             k = self.k_norm(k.view(n, KV_HEADS, HEAD_DIM)).view(n, self.kv_size)
         q, k = self.rope(positions, q, k)
         return self.o(self.attn(q, k, v))
@@ -56,17 +57,28 @@ def paged_context(n: int, dtype=torch.float32):
     return ForwardContext(meta, caches)
 
 
-@pytest.mark.parametrize("qk_norm", [False, True])
-def test_toy_attention_fused_counts_and_numerics(qk_norm):
-    model, n = ToyAttention(qk_norm), 11
+@pytest.mark.parametrize("qk_norm,heads", [(False, HEADS), (False, 40), (True, HEADS)])
+def test_toy_attention_fused_counts_and_numerics(qk_norm, heads):
+    model, n = ToyAttention(qk_norm, heads=heads), 11
     x, positions = torch.randn(n, 64), torch.arange(5, 5 + n)
-    fused_op = "compilelm.unified_attention_qknorm_rope.default" if qk_norm else "compilelm.unified_attention_rope.default"
+    if qk_norm:
+        fused_ops = {"compilelm.unified_attention_qknorm_rope.default": 1}
+    elif heads * HEAD_DIM > SMALL_QUERY_WIDTH:  # 1280 wide: RoPE inside the attention op
+        fused_ops = {"compilelm.unified_attention_rope.default": 1, "compilelm.rope_cache.default": 0}
+    else:  # small: RoPE + the cache write before the split, the attention op after it
+        fused_ops = {"compilelm.unified_attention_rope.default": 0, "compilelm.rope_cache.default": 1,
+                     "compilelm.unified_attention_rotated.default": 1}
     ctx = paged_context(n)
     p = RopeAttentionFusionPass()
     result = check_pass(model, [x, positions], [p], matches={p.name: 1},
                         ops_before={"compilelm.unified_attention.default": 1, "aten.cat.default": 2},
-                        ops_after={"compilelm.unified_attention.default": 0, fused_op: 1},
+                        ops_after={"compilelm.unified_attention.default": 0, **fused_ops},
                         atol=1e-5, context=lambda: set_forward_context(ctx))
+    if not qk_norm:  # without fuse_qkv_rope, small models too get RoPE inside the attention op
+        plain = check_pass(model, [x, positions], [RopeAttentionFusionPass(PassConfig(fuse_qkv_rope=False))], atol=1e-5,
+                           ops_after={"compilelm.unified_attention_rope.default": 1, "compilelm.rope_cache.default": 0},
+                           context=lambda: set_forward_context(paged_context(n)))
+        assert plain.max_error <= 1e-5
     for op in ROPE_OPS:  # no RoPE / norm math is left outside the fused op
         assert result.ops_after[op] == 0, result.graph.code
     assert result.ops_before["aten.rsqrt.default"] == (2 if qk_norm else 0)
@@ -106,11 +118,14 @@ def test_not_fused_when_rotated_q_has_another_user():
 def test_switch_levels_and_splitting_ops():
     assert CompileConfig.for_level(2).passes.fuse_rope_attention
     assert not CompileConfig.for_level(1).passes.fuse_rope_attention
-    assert "compilelm::unified_attention_rope" in CompileConfig().splitting_ops
+    assert {"compilelm::unified_attention_rope", "compilelm::unified_attention_rotated"} <= set(CompileConfig().splitting_ops)
     on = [p.name for p in PassManager(PassConfig()).whole_graph]
     off = [p.name for p in PassManager(PassConfig(fuse_rope_attention=False)).whole_graph]
     assert on[0] == "NoOpEliminationPass" and "RopeAttentionFusionPass" in on
     assert "RopeAttentionFusionPass" not in off
+    assert "QKVRopeFusionPass" in [p.name for p in PassManager(PassConfig()).post_grad]
+    assert "QKVRopeFusionPass" not in [p.name for p in PassManager(PassConfig(fuse_qkv_rope=False)).post_grad]
+    assert not CompileConfig.for_level(1).passes.fuse_qkv_rope
 
 
 def _tiny(preset_layers=2):
@@ -155,7 +170,11 @@ def test_default_model_one_match_per_layer_greedy_unchanged(tmp_path, inductor_d
     assert fusion[0]["matches"] == 30 and fusion[0]["max_error"] == 0.0
     assert report["counters"]["pieces"] == 31
     aten = (dump / "03_after_whole_graph_passes.py").read_text()
-    assert aten.count("compilelm.unified_attention_rope.default(") == 30
+    # 576 wide (small): RoPE + the cache write before the split, attention after it; the pieces
+    # name no layer, so the 29 middle layers' pieces are one (31 pieces, 3 unique)
+    assert aten.count("compilelm.rope_cache.default(") == 30
+    assert aten.count("compilelm.unified_attention_rotated.default(") == 30
+    assert report["counters"]["unique_pieces"] == 3
     assert "aten.index.Tensor" not in aten and "aten.cat.default" not in aten  # no RoPE math left
     prompts = ["The capital of France is", "def fibonacci(n):"]
     params = SamplingParams(temperature=0.0, max_tokens=16)

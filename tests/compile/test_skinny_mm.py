@@ -100,9 +100,10 @@ def norm_shared(x, n1, w1):
     return torch.mm(h, w1.t()), h.sum()
 
 
-def trace_decomposed(fn, shapes, dtype):
+def trace_decomposed(fn, shapes, dtype, extra=()):
     """As Inductor's post-grad graphs look: fake CUDA tensors, symbolic M, Inductor's
-    decompositions, no-op elimination."""
+    decompositions, no-op elimination. `extra`: tensors after those of `shapes`, traced with their
+    own dtype (1-d ones of length M with the symbolic M)."""
     from torch._inductor.decomposition import select_decomp_table
 
     from compilelm.passes.noop_elimination import NoOpEliminationPass
@@ -111,15 +112,16 @@ def trace_decomposed(fn, shapes, dtype):
         m = mode.shape_env.create_unspecified_symint_and_symbol(shapes[0][0], ConstantSource("m"), DimDynamic.DYNAMIC)
         args = [torch.empty(m, *s[1:], device="cuda", dtype=dtype) if len(s) == 2 and s[0] == shapes[0][0] else
                 torch.empty(s, device="cuda", dtype=dtype) for s in shapes]
+        args += [torch.empty(m if t.shape == (shapes[0][0],) else t.shape, device="cuda", dtype=t.dtype) for t in extra]
         gm = make_fx(fn, decomposition_table=select_decomp_table())(*args)
     NoOpEliminationPass().run(gm.graph)
     gm.recompile()
     return gm
 
 
-def skinny_mm_then(fusion, fn, shapes, dtype):
+def skinny_mm_then(fusion, fn, shapes, dtype, extra=()):
     """fn's decomposed graph after SkinnyMMPass, then `fusion`: (graph module, both passes)."""
-    gm = trace_decomposed(fn, shapes, dtype)
+    gm = trace_decomposed(fn, shapes, dtype, extra)
     skinny_pass = SkinnyMMPass()
     skinny_pass(gm.graph)
     fusion(gm.graph)

@@ -239,6 +239,71 @@ def test_norm_fallbacks_opcheck_and_graph_capture():
     assert torch.equal(y, want_y) and torch.equal(r_out, want_r)
 
 
+# -- the rope variants: the QKV projection with rope_and_cache in its epilogue ------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, hidden, cos_fp32",
+                         [(9, 3, 64, 576, True), (8, 2, 128, 512, False), (4, 4, 256, 256, True)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rope_variant_equals_projection_then_rope_and_cache(dtype, m, heads, kv_heads, head_dim, hidden, cos_fp32,
+                                                            residual):
+    """The same numbers, bit for bit, as the unfused ops (the projection's columns are the same
+    dot products; the rotation is rope_and_cache's): the rotated query, the residual and both
+    caches; a padding row (slot -1) writes no cache row. M = 3 runs the two ops."""
+    if dtype == torch.float32 and not cos_fp32:
+        pytest.skip("fp32 activations take an fp32 cos/sin table")
+    ops = torch.ops.compilelm
+    x, r, gamma, w = norm_inputs(m, (heads + 2 * kv_heads) * head_dim, hidden, dtype, seed=m * 100 + head_dim)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    cos_sin = torch.randn(64, head_dim, device="cuda", generator=g).to(torch.float32 if cos_fp32 else dtype)
+    positions = torch.randint(0, 64, (m,), device="cuda", generator=g)
+    slots = torch.randperm(8 * 16, device="cuda", generator=g)[:m]
+    slots[-1] = -1 if m > 1 else slots[-1]
+    caches = [torch.zeros(8, 16, kv_heads, head_dim, device="cuda", dtype=dtype) for _ in range(4)]
+    if residual:
+        got, r_out = ops.fused_add_rms_norm_skinny_mm_rope(x, r, gamma, EPS, w, positions, cos_sin, *caches[:2],
+                                                           slots, heads)
+        qkv, want_r = ops.fused_add_rms_norm_skinny_mm(x, r, gamma, EPS, w)
+        assert torch.equal(r_out, want_r)
+    else:
+        got = ops.rms_norm_skinny_mm_rope(x, gamma, EPS, w, positions, cos_sin, *caches[:2], slots, heads)
+        qkv = ops.rms_norm_skinny_mm(x, gamma, EPS, w)
+    q, k, v = (t.view(m, -1, head_dim) for t in qkv.split([heads * head_dim, kv_heads * head_dim,
+                                                             kv_heads * head_dim], dim=-1))
+    want = ops.rope_and_cache(positions, q, k, v, cos_sin, None, None, 0.0, *caches[2:], slots)
+    assert got.shape == (m, heads, head_dim) and got.is_contiguous() and torch.equal(got, want)
+    for c_got, c_want in zip(caches[:2], caches[2:]):
+        assert torch.equal(c_got, c_want) and c_want.abs().sum() > 0
+        assert torch.count_nonzero(c_got.view(-1, kv_heads * head_dim).abs().sum(-1)) == (m - 1 if m > 1 else 1)
+
+
+def test_rope_variant_opcheck_graph_capture_and_bad_args():
+    ops = torch.ops.compilelm
+    x, r, gamma, w = norm_inputs(1, 15 * 64, 576, torch.bfloat16, seed=5)
+    cos_sin = torch.randn(64, 64, device="cuda")
+    positions, slots = torch.tensor([3], device="cuda"), torch.tensor([17], device="cuda")
+    kc, vc = (torch.zeros(4, 16, 3, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    args = (x, r, gamma, EPS, w, positions, cos_sin, kc, vc, slots, 9)
+    opcheck(ops.fused_add_rms_norm_skinny_mm_rope.default, args)
+    opcheck(ops.rms_norm_skinny_mm_rope.default, (x, gamma, EPS, w, positions, cos_sin, kc, vc, slots, 9))
+    with pytest.raises(RuntimeError, match="num_heads"):
+        ops.rms_norm_skinny_mm_rope(x, gamma, EPS, w, positions, cos_sin, kc, vc, slots, 8)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q, r_out = ops.fused_add_rms_norm_skinny_mm_rope(*args)
+    x.copy_(torch.randn_like(x))
+    positions.fill_(11)
+    slots.fill_(40)
+    graph.replay()
+    torch.cuda.synchronize()
+    kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
+    want_q, want_r = ops.fused_add_rms_norm_skinny_mm_rope(x, r, gamma, EPS, w, positions, cos_sin, kc2, vc2, slots, 9)
+    assert torch.equal(q, want_q) and torch.equal(r_out, want_r)
+    assert torch.equal(kc[2, 8], kc2[2, 8]) and torch.equal(vc[2, 8], vc2[2, 8])  # slot 40 = block 2, row 8
+
+
 def compile_with_passes(model, name):
     """torch.compile of `model` with compilelm's post-grad passes; returns (compiled, the pass `name`)."""
     from compilelm.passes.config import PassConfig
