@@ -13,7 +13,7 @@ math is gone from the pieces. Before (one layer, fp32, as the aten graph shows i
     ... the same for k ...
     attn: "f32[s72, 576]" = compilelm.unified_attention(view(cat), view(cat_1), v, 'model.layers.0.self_attn.attn')
 
-After (the decode kernel rotates q and k where the model is wider than SMALL_QUERY_WIDTH):
+After (a model wider than SMALL_QUERY_WIDTH, or any with `passes.fuse_qkv_rope` off):
 
     attn: "f32[s72, 576]" = compilelm.unified_attention_rope(q, k, v, positions, cos_sin_cache, 64, 'model.layers.0.self_attn.attn')
 
@@ -92,9 +92,10 @@ def _stand_in_qknorm_rope(q, k, v, q_w, k_w, eps, positions, cos_sin_cache, head
 
 STAND_INS["compilelm::unified_attention_rope"] = _stand_in_rope
 STAND_INS["compilelm::unified_attention_qknorm_rope"] = _stand_in_qknorm_rope
+# the small-model form: rope_cache stands in for the whole attention, the attention op passes it on
 STAND_INS["compilelm::rope_cache"] = lambda q, k, v, positions, cos_sin_cache, head_dim: _stand_in_rope(
-    q, k, v, positions, cos_sin_cache, head_dim, None)  # the attention's stand-in, which the attention op's
-STAND_INS["compilelm::unified_attention_rotated"] = lambda q, layer_name: q  # passes on
+    q, k, v, positions, cos_sin_cache, head_dim, None)
+STAND_INS["compilelm::unified_attention_rotated"] = lambda q, layer_name: q
 
 
 # -- patterns (the model's own RoPE / RMSNorm code, so they stay in sync with it) ------------
