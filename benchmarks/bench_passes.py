@@ -76,13 +76,14 @@ E2E_CASES = [  # (fusion, model, quantization, switch turned off)
     ("skinny_mm", "dummy:smollm2-135m", None, "skinny_mm"),  # (switches the skinny_mm fusions off with it)
     ("(add+) rms_norm+skinny_mm", "dummy:smollm2-135m", None, "fuse_norm_skinny_mm"),
     ("silu_mul+skinny_mm", "dummy:smollm2-135m", None, "fuse_act_skinny_mm"),
+    ("qkv projection+rope+cache write", "dummy:smollm2-135m", None, "fuse_qkv_rope"),
 ]
 
 
 SWITCH_PASS = {"fuse_rope_attention": "RopeAttentionFusionPass", "fuse_norm_quant": "RMSNormQuantFusionPass",
                "fuse_act_quant": "SiluMulQuantFusionPass", "unfuse_residual_addmm": "UnfuseResidualAddmmPass",
                "skinny_mm": "SkinnyMMPass", "fuse_norm_skinny_mm": "RMSNormSkinnyMMFusionPass",
-               "fuse_act_skinny_mm": "SiluMulSkinnyMMFusionPass"}
+               "fuse_act_skinny_mm": "SiluMulSkinnyMMFusionPass", "fuse_qkv_rope": "QKVRopeFusionPass"}
 
 
 def bench(fn, args, iters: int, device: torch.device, repeats: int = 5) -> float:
