@@ -6,7 +6,8 @@ op and matches eager); skinny_mm_out writes exactly skinny_mm's result into a gi
 full graphs' LM head), and skinny_mm_argmax_out the argmax of those logits too (ties, NaN, repeated
 calls, graph replays). The same for the norm variants (rms_norm_skinny_mm,
 fused_add_rms_norm_skinny_mm: against the reference norm's output in fp64, residual_out exact)
-and RMSNormSkinnyMMFusionPass inside Inductor."""
+and RMSNormSkinnyMMFusionPass inside Inductor; their rope variants (the QKV projection with
+rope_and_cache in its epilogue) bit for bit against the projection followed by rope_and_cache."""
 
 import pytest
 import torch
