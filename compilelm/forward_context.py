@@ -27,26 +27,21 @@ class AttentionMetadata:
 class ForwardContext:
     attn_metadata: AttentionMetadata | None
     kv_caches: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # in layer order
-    # The layer whose cache the next KV-cache write before an attention op goes to: ops inside the
-    # compiled pieces carry no layer name (it would make every layer's piece distinct: one Inductor
-    # compile per layer), so each attention op, run in layer order, moves this past its own layer.
-    next_layer: int = 0
-    _names: tuple[str, ...] | None = field(default=None, repr=False)  # kv_caches' keys, made on first use
+    # The layer of the last attention op run in this forward. Ops inside the compiled pieces carry
+    # no layer name (it would make every layer's piece distinct: one Inductor compile per layer);
+    # their cache write goes to the layer after this one (next_kv_cache).
+    last_attention: str | None = None
 
     def next_kv_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(key_cache, value_cache) of the layer after the last attention op run (the first layer
         before any, and again after the last)."""
-        names = self._layer_names()
-        return self.kv_caches[names[self.next_layer % len(names)]]
+        names = list(self.kv_caches)
+        i = 0 if self.last_attention is None else names.index(self.last_attention) + 1
+        return self.kv_caches[names[i % len(names)]]
 
     def attention_done(self, layer_name: str) -> None:
-        """Called by every attention op: the next cache write belongs to the layer after it."""
-        self.next_layer = self._layer_names().index(layer_name) + 1
-
-    def _layer_names(self) -> tuple[str, ...]:
-        if self._names is None:
-            self._names = tuple(self.kv_caches)
-        return self._names
+        """Called by every attention op (cheap: it runs each step; next_kv_cache does the lookup)."""
+        self.last_attention = layer_name
 
 
 _current: ForwardContext | None = None

@@ -37,6 +37,24 @@ def _define(schema: str, fake=lambda q, *args: torch.empty_like(q)):
     return register
 
 
+def _attend(ctx, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.Tensor:
+    """Paged attention of q [num_tokens, num_heads * head_dim] (rotated) over the caches, this
+    step's rows already in them -> [num_tokens, num_heads * head_dim]."""
+    meta, n, head_dim = ctx.attn_metadata, q.shape[0], key_cache.shape[3]
+    out = ops.paged_attention(q.view(n, -1, head_dim), key_cache, value_cache, meta.cu_seqlens_q, meta.seq_lens,
+                              meta.block_tables, head_dim ** -0.5, meta.max_query_len)
+    return out.view(n, -1)
+
+
+def _rotate_and_cache(ctx, q, k, v, q_norm_weight, k_norm_weight, eps, positions, cos_sin_cache, head_dim,
+                      key_cache, value_cache) -> torch.Tensor:
+    """rope_and_cache of q, k, v [num_tokens, heads * head_dim] -> rotated q [num_tokens, num_heads, head_dim]."""
+    n = q.shape[0]
+    return ops.rope_and_cache(positions, q.view(n, -1, head_dim), k.view(n, -1, head_dim), v.view(n, -1, head_dim),
+                              cos_sin_cache, q_norm_weight, k_norm_weight, eps, key_cache, value_cache,
+                              ctx.attn_metadata.slot_mapping)
+
+
 @_define("unified_attention(Tensor q, Tensor k, Tensor v, str layer_name) -> Tensor")
 def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_name: str) -> torch.Tensor:
     # q: [num_tokens, num_heads * head_dim]; k, v: [num_tokens, num_kv_heads * head_dim]
@@ -48,10 +66,8 @@ def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_n
     k = k.view(num_tokens, num_kv_heads, head_dim)
     v = v.view(num_tokens, num_kv_heads, head_dim)
     ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-    out = ops.paged_attention(q.view(num_tokens, -1, head_dim), key_cache, value_cache,
-                              meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, head_dim ** -0.5, meta.max_query_len)
     ctx.attention_done(layer_name)
-    return out.view(num_tokens, -1)
+    return _attend(ctx, q, key_cache, value_cache)
 
 
 # RoPE (and Qwen3's QK-norm) inside attention: what `RopeAttentionFusionPass` rewrites
@@ -73,12 +89,9 @@ def _rope_and_attention(q, k, v, q_norm_weight, k_norm_weight, eps, positions, c
                                        meta.slot_mapping, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
                                        head_dim ** -0.5, meta.max_query_len)
         return out.view(n, -1)
-    # q: [n, num_heads, head_dim] rotated, contiguous; k, v: in the cache
-    q = ops.rope_and_cache(positions, q.view(n, -1, head_dim), k.view(n, -1, head_dim), v.view(n, -1, head_dim),
-                           cos_sin_cache, q_norm_weight, k_norm_weight, eps, key_cache, value_cache, meta.slot_mapping)
-    out = ops.paged_attention(q, key_cache, value_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-                              head_dim ** -0.5, meta.max_query_len)
-    return out.view(n, -1)
+    q = _rotate_and_cache(ctx, q, k, v, q_norm_weight, k_norm_weight, eps, positions, cos_sin_cache, head_dim,
+                          key_cache, value_cache)  # k, v: in the cache
+    return _attend(ctx, q.view(n, -1), key_cache, value_cache)
 
 
 @_define("unified_attention_rope(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin_cache, "
@@ -121,24 +134,17 @@ def rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: tor
                cos_sin_cache: torch.Tensor, head_dim: int) -> torch.Tensor:
     # -> rotated q [num_tokens, num_heads * head_dim]; the rotated k and v go to the next layer's cache
     ctx = get_forward_context()
-    key_cache, value_cache = ctx.next_kv_cache()
-    n = q.shape[0]
-    q = ops.rope_and_cache(positions, q.view(n, -1, head_dim), k.view(n, -1, head_dim), v.view(n, -1, head_dim),
-                           cos_sin_cache, None, None, 0.0, key_cache, value_cache, ctx.attn_metadata.slot_mapping)
-    return q.view(n, -1)
+    q_rotated = _rotate_and_cache(ctx, q, k, v, None, None, 0.0, positions, cos_sin_cache, head_dim,
+                                  *ctx.next_kv_cache())
+    return q_rotated.view(q.shape[0], -1)
 
 
 @_define("unified_attention_rotated(Tensor q, str layer_name) -> Tensor", _query_fake)
 def unified_attention_rotated(q: torch.Tensor, layer_name: str) -> torch.Tensor:
     # q: [num_tokens, num_heads * head_dim], rotated; this step's k and v already in the cache
     ctx = get_forward_context()
-    meta = ctx.attn_metadata
-    key_cache, value_cache = ctx.kv_caches[layer_name]
-    n, head_dim = q.shape[0], key_cache.shape[3]
-    out = ops.paged_attention(q.view(n, -1, head_dim), key_cache, value_cache, meta.cu_seqlens_q, meta.seq_lens,
-                              meta.block_tables, head_dim ** -0.5, meta.max_query_len)
     ctx.attention_done(layer_name)
-    return out.view(n, -1)
+    return _attend(ctx, q, *ctx.kv_caches[layer_name])
 
 
 def _qkv_rope_fake(x, norm_weight, eps, weight, positions, cos_sin_cache, num_heads):
