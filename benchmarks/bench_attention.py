@@ -1,5 +1,7 @@
 """Paged decode attention on the GPU: achieved KV bandwidth against the measured copy bandwidth,
-and time against F.scaled_dot_product_attention on contiguous KV, across batch x context.
+and time against F.scaled_dot_product_attention on contiguous KV, across batch x context; the
+default decode kernel (tensor cores where the launch fills the GPU) beside the CUDA-core one
+(`cuda_cores_us`, torch.ops.compilelm.set_decode_mma(False)) on the same inputs.
 
     python benchmarks/bench_attention.py [--batches 1 4 16 64 256] [--contexts 512 2048 8192 32768]
 
@@ -131,6 +133,14 @@ def bench_point(batch: int, context: int, l2_bytes: int, iters: int, layout: str
                                max_query_len=1)
 
     paged_s = time_graph(paged, calls, iters)
+    # the CUDA-core decode kernel on the same inputs (where the default took the tensor-core one)
+    default_out = paged(0).float()
+    previous = torch.ops.compilelm.set_decode_mma(False)
+    try:
+        cuda_cores_s = time_graph(paged, calls, iters)
+        cuda_cores_diff = (paged(0).float() - default_out).abs().max().item()
+    finally:
+        torch.ops.compilelm.set_decode_mma(previous)
 
     # SDPA on the same keys/values laid out contiguously: [sets, batch, kv_heads, context, head_size]
     def contiguous(cache):
@@ -150,6 +160,8 @@ def bench_point(batch: int, context: int, l2_bytes: int, iters: int, layout: str
     return {
         "layout": layout, "batch": batch, "context": context, "tokens": tokens, "kv_MB": kv_bytes / 1e6, "working_sets": sets,
         "paged_us": paged_s * 1e6, "paged_GBps": kv_bytes / paged_s / 1e9,
+        "cuda_cores_us": cuda_cores_s * 1e6, "cuda_cores_GBps": kv_bytes / cuda_cores_s / 1e9,
+        "max_abs_diff_vs_cuda_cores": cuda_cores_diff,
         "sdpa_us": sdpa_s * 1e6, "sdpa_GBps": kv_bytes / sdpa_s / 1e9, "speedup_vs_sdpa": sdpa_s / paged_s,
         "sdpa_backend": sdpa_backend(sdpa_query[0], key[0], value[0]), "max_abs_diff_vs_sdpa": max_diff,
     }
@@ -182,8 +194,9 @@ def main() -> None:
 
     print(f"device-to-device copy (read + write): memcpy {copy['memcpy_GBps']:.0f} GB/s, "
           f"elementwise kernel {copy['elementwise_GBps']:.0f} GB/s; spec {spec_GBps} GB/s")
-    print_table(rows, ["layout", "batch", "context", "paged_us", "paged_GBps", "pct_of_copy_bw", "pct_of_spec_bw", "sdpa_us",
-                       "sdpa_GBps", "speedup_vs_sdpa", "sdpa_backend", "max_abs_diff_vs_sdpa"])
+    print_table(rows, ["layout", "batch", "context", "paged_us", "paged_GBps", "pct_of_copy_bw", "pct_of_spec_bw",
+                       "cuda_cores_us", "sdpa_us", "sdpa_GBps", "speedup_vs_sdpa", "sdpa_backend",
+                       "max_abs_diff_vs_sdpa", "max_abs_diff_vs_cuda_cores"])
     large = [r["pct_of_copy_bw"] for r in rows if r["tokens"] >= TARGET_TOKENS and r["layout"] == args.layouts[0]]
     summary = {
         **copy,

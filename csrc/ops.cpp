@@ -19,6 +19,7 @@ namespace compilelm {
 namespace {
 std::atomic<bool> programmatic_launch{true};
 std::atomic<bool> cluster_merge{true};
+std::atomic<bool> decode_mma{true};
 }  // namespace
 
 // CUDA kernels launch with programmatic dependent launch (csrc/cuda/launch.cuh) unless turned off.
@@ -31,6 +32,12 @@ bool set_programmatic_launch(bool enabled) { return programmatic_launch.exchange
 bool cluster_merge_enabled() { return cluster_merge.load(std::memory_order_relaxed); }
 
 bool set_cluster_merge(bool enabled) { return cluster_merge.exchange(enabled); }
+
+// Decode attention outside thread block clusters runs on tensor cores where the shapes allow
+// (csrc/cuda/paged_attention_decode_mma.cu) unless turned off: then on CUDA cores.
+bool decode_mma_enabled() { return decode_mma.load(std::memory_order_relaxed); }
+
+bool set_decode_mma(bool enabled) { return decode_mma.exchange(enabled); }
 }  // namespace compilelm
 
 TORCH_LIBRARY(compilelm, m) {
@@ -41,6 +48,10 @@ TORCH_LIBRARY(compilelm, m) {
   // or, turned off, through global memory (the split that arrives last); returns the previous
   // setting. Takes effect for launches (and graph captures) after the call.
   m.def("set_cluster_merge(bool enabled) -> bool", &compilelm::set_cluster_merge);
+  // Decode attention outside clusters on tensor cores (bf16/fp16, head_size 64/128, GQA groups
+  // up to 16) or, turned off, on CUDA cores; returns the previous setting. Takes effect for
+  // launches (and graph captures) after the call.
+  m.def("set_decode_mma(bool enabled) -> bool", &compilelm::set_decode_mma);
   // key, value: [num_tokens, num_kv_heads, head_size]; slot_mapping: int64 [num_tokens], -1 skips.
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "

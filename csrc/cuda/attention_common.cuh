@@ -97,6 +97,26 @@ __device__ __forceinline__ bool locate_row(const AttentionParams& p, bool all_ro
   return true;
 }
 
+// The keys of decode program (row x, split) of a launch with s.num_splits splits: located = false
+// where row x serves no query row; keys [begin, end) of the row's num_keys (none where split >=
+// active); fresh: the first key written this step (the rows before it were cached by earlier steps).
+struct DecodeRange {
+  bool located;
+  int token, seq, num_keys, active, begin, end, fresh;
+};
+
+__device__ __forceinline__ DecodeRange decode_range(const AttentionParams& p, const SplitParams& s, int x, int split) {
+  DecodeRange r{};
+  r.located = locate_row(p, s.all_rows, x, r.token, r.seq, r.num_keys);
+  if (!r.located) return r;
+  r.active = active_splits(r.num_keys, s.num_splits);
+  const int chunk = split_keys(r.num_keys, s.num_splits);
+  r.begin = split * chunk;
+  r.end = min(r.num_keys, r.begin + chunk);
+  r.fresh = p.seq_lens[r.seq] - (p.cu_seqlens_q[r.seq + 1] - p.cu_seqlens_q[r.seq]);
+  return r;
+}
+
 // Merges the splits of decode row x (query row `token`, num_keys keys) for query heads
 // [head0, head0 + num_heads) into the output; every thread of the block calls it.
 // out = sum_s w_s o_s with w_s = 2^(lse_s - max lse) / sum, over the active splits: one warp per
@@ -137,6 +157,70 @@ __device__ void merge_splits(const AttentionParams& p, const SplitParams& s, int
     static_cast<T*>(p.out)[(static_cast<int64_t>(token) * p.num_heads + head0 + g) * d_size + d] = from_float<T>(o);
   }
   __syncthreads();  // s_weight is reused by the caller's next merge
+}
+
+// The end of a decode program: its warps' softmax states for its num_q heads (acc [W][GP][D],
+// unnormalized, under max m [W][GP] with sum l [W][GP], log2 units; a warp without keys: m = -inf,
+// l = 0), merged per (head g, element d) by the block's threads into emit(g, d, o, lse), o the
+// normalized output and, at d == 0 only, lse the head's log2-sum-exp (-inf: no keys, o = 0).
+template <int W, int GP, int D, typename Emit>
+__device__ __forceinline__ void merge_warp_states(int num_q, const float (*acc)[GP][D], const float (*m)[GP],
+                                                  const float (*l)[GP], Emit&& emit) {
+  for (int i = threadIdx.x; i < num_q * D; i += blockDim.x) {
+    const int g = i / D, d = i % D;
+    float m_max = -INFINITY;
+#pragma unroll
+    for (int r = 0; r < W; ++r) m_max = fmaxf(m_max, m[r][g]);
+    float denom = 0.f, numer = 0.f;
+    if (m_max != -INFINITY) {
+#pragma unroll
+      for (int r = 0; r < W; ++r) {
+        const float w = exp2f(m[r][g] - m_max);
+        denom += w * l[r][g];
+        numer += w * acc[r][g][d];
+      }
+    }
+    const float o = denom > 0.f ? numer / denom : 0.f;  // an empty split contributes nothing
+    emit(g, d, o, d == 0 && denom > 0.f ? m_max + log2f(denom) : -INFINITY);
+  }
+}
+
+// Where a decode program outside a cluster puts head `head`'s element d: the output row (one
+// split), or its split's partial and, at d == 0, the partial's log2-sum-exp.
+template <typename T>
+__device__ __forceinline__ void store_decode_output(const AttentionParams& p, const SplitParams& s, int row, int token,
+                                                    int head, int split, int d, float o, float lse) {
+  if (s.num_splits == 1) {
+    static_cast<T*>(p.out)[(static_cast<int64_t>(token) * p.num_heads + head) * p.head_size + d] = from_float<T>(o);
+  } else {
+    const int64_t partial = (static_cast<int64_t>(row) * p.num_heads + head) * s.num_splits + split;
+    s.partial_out[partial * p.head_size + d] = o;
+    if (d == 0) s.partial_lse[partial] = lse;
+  }
+}
+
+// After a split's stores (all-rows launches with arrival counters, s.arrivals): the last split of
+// program blockIdx.x to finish merges its heads [head0, head0 + num_q). The block's partials are
+// ordered before its count by the barrier and one thread's fence (release; a fence in every thread
+// stalled each block's end: Llama-3.1-8B batch 64 attention 123 -> 130 us on an H100), the last one
+// fences again before reading (acquire); the counter is reset for the next launch. s_last and
+// s_weight ([num_q][kMaxSplits] floats) are shared memory.
+template <typename T>
+__device__ void merge_if_last_split(const AttentionParams& p, const SplitParams& s, int row, int token, int num_keys,
+                                    int head0, int num_q, int active, bool& s_last, float* s_weight) {
+  if (s.arrivals == nullptr) return;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    s_last = atomicAdd(&s.arrivals[blockIdx.x], 1) == active - 1;
+    if (s_last) {
+      s.arrivals[blockIdx.x] = 0;
+      __threadfence();
+    }
+  }
+  __syncthreads();
+  if (!s_last) return;
+  merge_splits<T>(p, s, row, token, num_keys, head0, num_q, s_weight);
 }
 
 // merge_splits for decode row x as the merge kernel and the prefill kernel see it: a row that is

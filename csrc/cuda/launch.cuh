@@ -55,6 +55,7 @@
 namespace compilelm {
 bool programmatic_launch_enabled();  // csrc/ops.cpp
 bool cluster_merge_enabled();        // csrc/ops.cpp
+bool decode_mma_enabled();           // csrc/ops.cpp
 }  // namespace compilelm
 
 namespace compilelm::cuda {

@@ -21,6 +21,10 @@
 // num_splits comes from shapes only (never from seq_lens values), so the launch is CUDA-graph
 // capturable.
 //
+// Launches outside clusters of bf16/fp16 caches (head_size 64/128, groups up to 16 heads) run the
+// tensor-core kernel of paged_attention_decode_mma.cu instead (same programs, splits and merges;
+// compilelm::set_decode_mma(False) keeps them here).
+//
 // RoPE inside (kRope, rope_paged_attention): in the cluster launches of a pure-decode batch the
 // kernel takes the QKV projection's output as it is: each program rotates its heads' query rows
 // and the split that holds the row's new key rotates that key, writes it and the value to their
@@ -161,13 +165,10 @@ __global__ void __launch_bounds__(kWarps * 32)
     slot = r.slot_mapping[row];
     position = r.positions[row];
   }
-  int token, seq, num_keys;
-  const bool located = locate_row(p, s.all_rows, row, token, seq, num_keys);
-  const int active = located ? active_splits(num_keys, s.num_splits) : 0;
-  const int chunk = located ? split_keys(num_keys, s.num_splits) : 0;
-  const int begin = split * chunk;
-  const int end = min(num_keys, begin + chunk);
-  const int fresh = located ? p.seq_lens[seq] - (p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq]) : 0;
+  const DecodeRange range = decode_range(p, s, row, split);
+  const bool located = range.located;
+  const int token = range.token, seq = range.seq, num_keys = range.num_keys, active = range.active;
+  const int begin = range.begin, end = range.end, fresh = range.fresh;
 
   const int32_t* block_table = p.block_tables + static_cast<int64_t>(located ? seq : 0) * p.max_blocks;
   const int64_t head_offset = kv_head * p.head_stride + lane_in_row * kVec;
@@ -431,53 +432,18 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < num_q * D; i += blockDim.x) {
-    const int g = i / D, d = i % D;
-    float m_max = -INFINITY;
-#pragma unroll
-    for (int r = 0; r < kWarps; ++r) m_max = fmaxf(m_max, s_m[r][g]);
-    float denom = 0.f, numer = 0.f;
-    if (m_max != -INFINITY) {
-#pragma unroll
-      for (int r = 0; r < kWarps; ++r) {
-        const float w = exp2f(s_m[r][g] - m_max);
-        denom += w * s_l[r][g];
-        numer += w * s_acc[r][g][d];
-      }
-    }
-    const float o = denom > 0.f ? numer / denom : 0.f;  // an empty split contributes nothing
-    const int head = head0 + g;
+  merge_warp_states<kWarps, GP, D>(num_q, s_acc, s_m, s_l, [&](int g, int d, float o, float lse) {
     if constexpr (kCluster) {
       s_out[g][d] = o;
-      if (d == 0) s_lse[g] = denom > 0.f ? m_max + log2f(denom) : -INFINITY;
-    } else if (s.num_splits == 1) {
-      static_cast<T*>(p.out)[(static_cast<int64_t>(token) * p.num_heads + head) * D + d] = from_float<T>(o);
+      if (d == 0) s_lse[g] = lse;
     } else {
-      const int64_t partial = (static_cast<int64_t>(row) * p.num_heads + head) * s.num_splits + split;
-      s.partial_out[partial * D + d] = o;
-      if (d == 0) s.partial_lse[partial] = denom > 0.f ? m_max + log2f(denom) : -INFINITY;
+      store_decode_output<T>(p, s, row, token, head0 + g, split, d, o, lse);
     }
-  }
+  });
   if constexpr (kCluster) {
     merge_in_cluster<T, D>(p, token, head0, num_q, &s_out[0][0], s_lse);
   } else {
-    if (s.arrivals == nullptr) return;
-    // The last split of this program to finish merges its heads: the block's partials are ordered
-    // before its count by the barrier and one thread's fence (release; a fence in every thread
-    // stalled each block's end: Llama-3.1-8B batch 64 attention 123 -> 130 us on an H100), the
-    // last one fences again before reading (acquire); the counter is reset for the next launch.
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence();
-      s_last = atomicAdd(&s.arrivals[blockIdx.x], 1) == active - 1;
-      if (s_last) {
-        s.arrivals[blockIdx.x] = 0;
-        __threadfence();
-      }
-    }
-    __syncthreads();
-    if (!s_last) return;
-    merge_splits<T>(p, s, row, token, num_keys, head0, num_q, &s_weight[0][0]);
+    merge_if_last_split<T>(p, s, row, token, num_keys, head0, num_q, active, s_last, &s_weight[0][0]);
   }
 }
 
@@ -587,17 +553,27 @@ SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_r
       return SplitParams{all_rows, 1, nullptr, nullptr, nullptr};  // merged: nothing left to the caller
     }
   }
-  const int splits = choose_num_splits(programs, resident_programs<T, D, GP>(), max_context, kMaxSplits);
+  // on tensor cores (paged_attention_decode_mma.cu) where supported: one program per kv head
+  const at::ScalarType dtype = query.scalar_type();
+  const bool mma = decode_mma_supported(dtype, p.head_size, p.group);
+  const int64_t mma_programs = static_cast<int64_t>(rows) * p.num_kv_heads;
+  const int splits = mma ? choose_num_splits(mma_programs, decode_mma_resident_programs(dtype, p.head_size),
+                                             max_context, kMaxSplits)
+                         : choose_num_splits(programs, resident_programs<T, D, GP>(), max_context, kMaxSplits);
   SplitParams s{all_rows, splits, nullptr, nullptr, nullptr};
   if (splits > 1) {  // workspace from torch's caching allocator: stream-ordered, capture-safe
     const int64_t partials = static_cast<int64_t>(rows) * p.num_heads * splits;
     workspace = at::empty({partials * (p.head_size + 1)}, query.options().dtype(at::kFloat));
     s.partial_out = workspace.mutable_data_ptr<float>();
     s.partial_lse = s.partial_out + partials * p.head_size;
-    if (all_rows) s.arrivals = arrival_counters(CounterUser::kAttention, programs, stream);  // null: merge kernel
+    if (all_rows) s.arrivals = arrival_counters(CounterUser::kAttention, mma ? mma_programs : programs, stream);
   }
-  launch_kernel(paged_attention_decode_kernel<T, D, GP, false, false>, dim3(static_cast<unsigned>(programs), splits),
-                kWarps * 32, 0, stream, p, s, RopeCacheParams{});
+  if (mma) {
+    launch_paged_attention_decode_mma(p, s, dtype, mma_programs);
+  } else {
+    launch_kernel(paged_attention_decode_kernel<T, D, GP, false, false>,
+                  dim3(static_cast<unsigned>(programs), splits), kWarps * 32, 0, stream, p, s, RopeCacheParams{});
+  }
   if (all_rows && splits > 1 && s.arrivals == nullptr) {
     launch_kernel(paged_attention_merge_kernel<T>, rows * p.num_heads, 128, 0, stream, p, s);
   }

@@ -16,10 +16,9 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include <type_traits>
-
 #include "cuda/attention_common.cuh"
 #include "cuda/launch.cuh"
+#include "cuda/mma.cuh"
 
 namespace compilelm::cuda {
 namespace {
@@ -32,53 +31,6 @@ constexpr int kPad = 8;      // elements per shared row: 8 consecutive rows hit 
 template <int D>
 constexpr int smem_bytes() {
   return (kBlockM + 4 * kBlockN) * (D + kPad) * 2;  // Q, 2 stages of K and of V (16-bit types)
-}
-
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-
-// c += a @ b for a 16x16 (row) by 16x8 (col) tile, fp32 accumulators.
-template <typename T>
-__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-// Two fp32 values as one register of two 16-bit elements (x in the low half).
-template <typename T>
-__device__ __forceinline__ uint32_t pack(float x, float y) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  } else {
-    const __half2 v = __floats2half2_rn(x, y);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
 }
 
 template <typename T, int D>
@@ -212,29 +164,8 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
     }
 
-    // online softmax over each row (a row's 64 scores live in the 4 lanes of a quad)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float row_max = m[h];
-#pragma unroll
-      for (int nt = 0; nt < kBlockN / 8; ++nt) row_max = fmaxf(row_max, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
-      row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
-      row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
-      const float correction = exp2f(m[h] - row_max);  // key 0 is in every row's first tile: finite max
-      m[h] = row_max;
-      l_sum[h] *= correction;
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        o[dt][2 * h] *= correction;
-        o[dt][2 * h + 1] *= correction;
-      }
-#pragma unroll
-      for (int nt = 0; nt < kBlockN / 8; ++nt) {
-        s[nt][2 * h] = exp2f(s[nt][2 * h] - row_max);
-        s[nt][2 * h + 1] = exp2f(s[nt][2 * h + 1] - row_max);
-        l_sum[h] += s[nt][2 * h] + s[nt][2 * h + 1];
-      }
-    }
+    // online softmax over each row (key 0 is in every row's first tile: a finite max)
+    online_softmax_step(s, o, m, l_sum);
 
     // O += P V: the accumulator tiles of P are, pairwise, the A fragments of the next product
 #pragma unroll

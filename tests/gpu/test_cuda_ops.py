@@ -38,6 +38,15 @@ def decode_merge(request):
     torch.ops.compilelm.set_cluster_merge(previous)
 
 
+@pytest.fixture(params=["tensor_cores", "cuda_cores"])
+def decode_kernel(request):
+    """Decode attention outside clusters on tensor cores (bf16/fp16, head_size 64/128, groups up
+    to 16) or on CUDA cores (torch.ops.compilelm.set_decode_mma; fp32 and head_size 256 always)."""
+    previous = torch.ops.compilelm.set_decode_mma(request.param == "tensor_cores")
+    yield request.param
+    torch.ops.compilelm.set_decode_mma(previous)
+
+
 def assert_close(out, expected):
     elementwise, relative = TOLERANCES[out.dtype]
     torch.testing.assert_close(out, expected, **elementwise)
@@ -71,7 +80,7 @@ def check_attention(inputs_cpu, max_query_len=0, cache_layout=lambda cache: cach
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])  # num_heads // num_kv_heads
-def test_mixed_batch(dtype, block_size, head_size, group):
+def test_mixed_batch(dtype, block_size, head_size, group, decode_kernel):
     # decodes, fresh prefills and chunked prefills continuing a context, in one call
     check_attention(make_attention_inputs(
         mixed_batch(seed=block_size + group), block_size=block_size, num_heads=2 * group, num_kv_heads=2,
@@ -81,7 +90,7 @@ def test_mixed_batch(dtype, block_size, head_size, group):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("group", [4, 8])
-def test_long_context_split_k(dtype, group):
+def test_long_context_split_k(dtype, group, decode_kernel):
     # Llama-3-8B-like heads, 8k contexts: few programs per SM, so the decode rows run split-K;
     # next to them a chunk of a long prefill and a fresh prefill of several query tiles.
     batch = [(1, 8192), (1, 5000), (1, 1), (64, 8192), (300, 300)]
@@ -99,7 +108,7 @@ def test_single_long_decode(dtype):
 
 
 @pytest.mark.parametrize("max_query_len", [0, 1])
-def test_short_sequences_in_wide_block_tables(max_query_len, decode_merge):
+def test_short_sequences_in_wide_block_tables(max_query_len, decode_merge, decode_kernel):
     # Splits are sized from block_tables.size(1) (the host never reads seq_lens): 8k-wide tables
     # and contexts of a few tokens leave most splits empty, which must contribute nothing.
     batch = [(1, 3), (1, 17), (1, 1), (2, 9)] if max_query_len == 0 else [(1, 3), (1, 17), (1, 1), (1, 130)]
@@ -123,7 +132,7 @@ def test_pure_decode_and_pure_prefill_batches(batch):
 # (300, 1, 1024, 77): few programs, short splits: the cluster merge's launches (the others split
 # over global memory, or not at all)
 @pytest.mark.parametrize("contexts", [(700, 33, 1, 2048, 64) * 3, (16000,), (1, 2), (300, 1, 1024, 77)])
-def test_declared_pure_decode(dtype, head_size, group, contexts, decode_merge):
+def test_declared_pure_decode(dtype, head_size, group, contexts, decode_merge, decode_kernel):
     # max_query_len=1 (a full decode graph): the decode kernel alone over every row, split-K merged
     # in the kernel (in a cluster, or by the split that finishes last), padding rows (past the last
     # sequence) zeroed, as without the hint; run twice: the arrival counters must be back at zero
@@ -138,7 +147,7 @@ def test_declared_pure_decode(dtype, head_size, group, contexts, decode_merge):
 
 @pytest.mark.parametrize("max_query_len", [0, 1])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_head_major_cache_view(max_query_len, dtype):
+def test_head_major_cache_view(max_query_len, dtype, decode_kernel):
     # caches laid out [num_blocks, num_kv_heads, block_size, head_size] and passed as the permuted
     # view: both kernels address the cache by its strides
     batch = [(1, 700), (1, 3), (1, 2048)] if max_query_len == 1 else mixed_batch(seed=9) + [(1, 1500)]
@@ -149,7 +158,7 @@ def test_head_major_cache_view(max_query_len, dtype):
 
 
 @pytest.mark.parametrize("rows,context", [(6, 4000), (2, 1000)])  # split over global memory; in clusters
-def test_decode_graph_replays_merge_in_kernel(rows, context, decode_merge):
+def test_decode_graph_replays_merge_in_kernel(rows, context, decode_merge, decode_kernel):
     # A captured pure-decode call replayed with new contexts: each replay merges its splits in the
     # kernel (the last splits to arrive reset their arrival counters: a counter left non-zero
     # would skip or repeat a merge)
@@ -167,6 +176,21 @@ def test_decode_graph_replays_merge_in_kernel(rows, context, decode_merge):
         graph.replay()
         torch.cuda.synchronize()
         assert_close(out, paged_attention_ref(query, key_cache, value_cache, cu, seq_lens, tables, scale))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [12, 16, 20])
+@pytest.mark.parametrize("max_query_len", [0, 1])
+def test_wide_groups_on_tensor_cores(dtype, group, max_query_len, decode_kernel):
+    # Groups of 12 and 16 heads fill the tensor-core kernel's 16 rows (12: four masked); 20 is
+    # past it (CUDA cores, in chunks of 8 heads); 64 decode rows of 1-2k keys fill the GPU (no
+    # clusters), a short one and a padding row beside them
+    contexts = [1000 + 17 * i for i in range(63)] + [5]
+    batch = [(1, n) for n in contexts] if max_query_len == 1 else [(1, n) for n in contexts] + mixed_batch(seed=2)
+    first = check_attention(make_attention_inputs(
+        batch, block_size=16, num_heads=2 * group, num_kv_heads=2, head_size=128, dtype=dtype, num_pad_rows=1,
+    ), max_query_len=max_query_len)
+    assert torch.isfinite(first).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

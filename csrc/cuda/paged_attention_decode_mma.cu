@@ -1,0 +1,244 @@
+// Paged attention for single query rows (decode) on tensor cores: the launches of
+// paged_attention_decode.cu that fill the GPU (outside thread block clusters), bf16/fp16,
+// head_size 64/128, GQA groups of up to 16 heads.
+//
+// A program = (query row, kv head, split), as in the CUDA-core kernel. The group's query heads
+// are the 16 rows of an mma.sync m16n8k16 A operand (rows past the group: zeros), so S = Q K^T
+// and O += P V over 16 keys are 32 tensor-core instructions (head_size 128) where the CUDA-core
+// kernel issues ~1100 (FMAs, the dot products' shuffles, widening): at Llama-3.1-8B batch 64 that
+// kernel spent about as long issuing instructions as waiting for memory. Each warp streams its own
+// tiles of 16 keys (tile t of the split goes to warp t % 4) through a kStages-deep cp.async ring
+// in shared memory, so two tiles per warp are in flight while it computes a third, with no block
+// barrier in the key loop. The warps' softmax states merge at the end, and the split's output,
+// partial and last-split merge are the CUDA-core kernel's (attention_common.cuh). As in the
+// prefill kernel the softmax weights are rounded to the operand type before P @ V.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <algorithm>
+
+#include "cuda/attention_common.cuh"
+#include "cuda/launch.cuh"
+#include "cuda/mma.cuh"
+
+namespace compilelm::cuda {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kTileKeys = 16;  // keys per tile: the n of S = Q K^T, the k of O += P V
+constexpr int kRows = 16;      // query heads of a program, at most (the m of both products)
+constexpr int kStages = 3;     // tiles of a warp's ring: two in flight while one is computed
+constexpr int kPad = 8;        // elements per shared row: 8 consecutive rows hit distinct banks
+
+template <int D>
+constexpr int smem_bytes() {  // kStages tiles of K and of V per warp (16-bit types)
+  return kWarps * kStages * 2 * kTileKeys * (D + kPad) * 2;
+}
+static_assert(smem_bytes<64>() >= kWarps * kRows * 64 * 4, "the warps' states reuse the ring");
+
+__device__ __forceinline__ uint32_t load_pair(const void* ptr) { return *static_cast<const uint32_t*>(ptr); }
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kWarps * 32)
+    paged_attention_decode_mma_kernel(const AttentionParams p, const SplitParams s) {
+  constexpr int kStride = D + kPad;
+  constexpr int kChunks = D / 8;  // 16-byte chunks of a row
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ float s_m[kWarps][kRows], s_l[kWarps][kRows];
+  __shared__ float s_weight[kRows][kMaxSplits];  // the last split's merge weights
+  __shared__ bool s_last;
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int row = blockIdx.x / p.num_kv_heads, kv_head = blockIdx.x % p.num_kv_heads;
+  const int head0 = kv_head * p.group, num_q = p.group;
+  const int split = blockIdx.y;
+
+  // Before the PDL wait (launch.cuh): the step's metadata and the context rows of earlier steps
+  const DecodeRange range = decode_range(p, s, row, split);
+  const bool located = range.located;
+  const int token = range.token, seq = range.seq, num_keys = range.num_keys, active = range.active;
+  const int begin = range.begin, end = range.end, fresh = range.fresh;
+  const int tiles = located && split < active && begin < end ? (end - begin + kTileKeys - 1) / kTileKeys : 0;
+  const int my_tiles = tiles > warp ? (tiles - warp + kWarps - 1) / kWarps : 0;
+
+  const int32_t* block_table = p.block_tables + static_cast<int64_t>(located ? seq : 0) * p.max_blocks;
+  const T* key_cache = static_cast<const T*>(p.key_cache) + kv_head * p.head_stride;
+  const T* value_cache = static_cast<const T*>(p.value_cache) + kv_head * p.head_stride;
+  T* s_k = reinterpret_cast<T*>(smem) + warp * kStages * 2 * kTileKeys * kStride;  // [kStages][kTileKeys][kStride]
+  T* s_v = s_k + kStages * kTileKeys * kStride;
+
+  const auto first_key = [&](int i) { return begin + (warp + i * kWarps) * kTileKeys; };  // of the warp's tile i
+  const auto load_tile = [&](int i) {  // rows past `end` are zero-filled, their scores masked
+    const int key0 = first_key(i), stage = i % kStages;
+#pragma unroll
+    for (int c = lane; c < kTileKeys * kChunks; c += 32) {
+      const int j = c / kChunks, piece = c % kChunks, key = key0 + j;
+      const bool valid = key < end;
+      int64_t offset = 0;
+      if (valid) offset = block_table[key / p.block_size] * p.block_stride + key % p.block_size * p.slot_stride;
+      const int dst = (stage * kTileKeys + j) * kStride + piece * 8;
+      cp_async_16(s_k + dst, key_cache + offset + piece * 8, valid);
+      cp_async_16(s_v + dst, value_cache + offset + piece * 8, valid);
+    }
+  };
+  // the ring's first kStages - 1 tiles, one commit group each (empty past my_tiles): before the
+  // wait where they hold only keys of earlier steps (below `fresh`)
+  const int prologue = min(my_tiles, kStages - 1);
+  const bool early = prologue > 0 && first_key(prologue - 1) + kTileKeys <= fresh;
+  const auto load_prologue = [&] {
+#pragma unroll
+    for (int i = 0; i < kStages - 1; ++i) {
+      if (i < prologue) load_tile(i);
+      cp_async_commit();
+    }
+  };
+  if (early) load_prologue();
+  wait_for_prior_kernels();  // PDL (launch.cuh): before any read of earlier kernels' outputs
+  allow_dependent_kernels();
+  if (!located) {
+    const bool zeroes = s.num_splits == 1 || (s.arrivals != nullptr && split == 0);  // else the merge kernel
+    if (s.all_rows && zeroes && row < p.num_tokens) zero_rows<T>(p, row, 1, head0, num_q);  // padding row
+    return;
+  }
+  if (split >= active) return;  // no keys: no partial, not counted
+  if (!early) load_prologue();
+
+  // A fragments of the group's query rows (lane = 4 * group + quad: rows group, group + 8)
+  const int group_row = lane / 4, quad = lane % 4;
+  const T* query = static_cast<const T*>(p.query) + static_cast<int64_t>(token) * p.q_stride + head0 * D + 2 * quad;
+  uint32_t q_frag[D / 16][4];
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = group_row + 8 * h;
+      q_frag[ks][h] = r < num_q ? load_pair(query + r * D + ks * 16) : 0u;
+      q_frag[ks][h + 2] = r < num_q ? load_pair(query + r * D + ks * 16 + 8) : 0u;
+    }
+  }
+
+  float o[D / 8][4] = {};  // O of rows (group, group + 8) x elements 8 dt + 2 quad (+1)
+  float m[2] = {-INFINITY, -INFINITY}, l_sum[2] = {0.f, 0.f};
+  for (int i = 0; i < my_tiles; ++i) {
+    if (i + kStages - 1 < my_tiles) load_tile(i + kStages - 1);
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();  // tile i has landed (this lane's copies) ...
+    __syncwarp();                  // ... and every lane's
+    const T* k_tile = s_k + (i % kStages) * kTileKeys * kStride;
+    const T* v_tile = s_v + (i % kStages) * kTileKeys * kStride;
+
+    // S = Q K^T: [16 rows x 16 keys] as two accumulator tiles of 8 keys
+    float sc[2][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t b[4];
+      ldmatrix_x4(b, k_tile + ((lane / 16) * 8 + lane % 8) * kStride + ks * 16 + ((lane / 8) % 2) * 8);
+      mma<T>(sc[0], q_frag[ks], b[0], b[1]);
+      mma<T>(sc[1], q_frag[ks], b[2], b[3]);
+    }
+    const int key0 = first_key(i);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        sc[nt][e] *= p.scale_log2;
+        if (key0 + nt * 8 + 2 * quad + (e & 1) >= end) sc[nt][e] = -INFINITY;
+      }
+    }
+
+    // online softmax of each row: key0 < end, so every tile has a finite maximum
+    online_softmax_step(sc, o, m, l_sum);
+
+    // O += P V: the two accumulator tiles of P are the A fragment of the product
+    const uint32_t a[4] = {pack<T>(sc[0][0], sc[0][1]), pack<T>(sc[0][2], sc[0][3]), pack<T>(sc[1][0], sc[1][1]),
+                           pack<T>(sc[1][2], sc[1][3])};
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, v_tile + (((lane / 8) % 2) * 8 + lane % 8) * kStride + dp * 16 + (lane / 16) * 8);
+      mma<T>(o[2 * dp], a, b[0], b[1]);
+      mma<T>(o[2 * dp + 1], a, b[2], b[3]);
+    }
+    __syncwarp();  // every lane is done with this stage before a later load refills it
+  }
+  cp_async_wait<0>();  // the ring's trailing empty groups
+
+  // the warps' states into shared memory (over the rings, once every warp is done with its own)
+  float(*s_acc)[kRows][D] = reinterpret_cast<float(*)[kRows][D]>(smem);
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l_sum[h] += __shfl_xor_sync(0xffffffffu, l_sum[h], 1);
+    l_sum[h] += __shfl_xor_sync(0xffffffffu, l_sum[h], 2);
+    const int r = group_row + 8 * h;
+    if (r >= num_q) continue;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      s_acc[warp][r][dt * 8 + 2 * quad] = o[dt][2 * h];
+      s_acc[warp][r][dt * 8 + 2 * quad + 1] = o[dt][2 * h + 1];
+    }
+    if (quad == 0) {
+      s_m[warp][r] = m[h];
+      s_l[warp][r] = l_sum[h];
+    }
+  }
+  __syncthreads();
+  merge_warp_states<kWarps, kRows, D>(num_q, s_acc, s_m, s_l, [&](int g, int d, float out, float lse) {
+    store_decode_output<T>(p, s, row, token, head0 + g, split, d, out, lse);
+  });
+  merge_if_last_split<T>(p, s, row, token, num_keys, head0, num_q, active, s_last, &s_weight[0][0]);
+}
+
+template <typename T, int D>
+void configure() {  // more than 48 KB of dynamic shared memory is opt-in
+  static const bool configured = [] {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(paged_attention_decode_mma_kernel<T, D>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<D>()));
+    return true;
+  }();
+  (void)configured;
+}
+
+template <typename T, int D>
+int64_t resident_programs() {
+  static const int64_t capacity = [] {
+    configure<T, D>();
+    int per_sm = 0, sms = 0, device = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, paged_attention_decode_mma_kernel<T, D>, kWarps * 32, smem_bytes<D>()));
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    return static_cast<int64_t>(std::max(per_sm, 1)) * sms;
+  }();
+  return capacity;
+}
+
+template <typename T, int D>
+void launch(const AttentionParams& p, const SplitParams& s, int64_t programs) {
+  configure<T, D>();
+  launch_kernel(paged_attention_decode_mma_kernel<T, D>, dim3(static_cast<unsigned>(programs), s.num_splits),
+                kWarps * 32, smem_bytes<D>(), c10::cuda::getCurrentCUDAStream(), p, s);
+}
+
+}  // namespace
+
+bool decode_mma_supported(at::ScalarType dtype, int head_size, int group) {
+  return decode_mma_enabled() && (dtype == at::kBFloat16 || dtype == at::kHalf) &&
+         (head_size == 64 || head_size == 128) && group <= kRows;
+}
+
+int64_t decode_mma_resident_programs(at::ScalarType dtype, int head_size) {
+  if (dtype == at::kBFloat16) return head_size == 64 ? resident_programs<__nv_bfloat16, 64>()
+                                                     : resident_programs<__nv_bfloat16, 128>();
+  return head_size == 64 ? resident_programs<__half, 64>() : resident_programs<__half, 128>();
+}
+
+void launch_paged_attention_decode_mma(const AttentionParams& p, const SplitParams& s, at::ScalarType dtype,
+                                       int64_t programs) {
+  if (dtype == at::kBFloat16) {
+    return p.head_size == 64 ? launch<__nv_bfloat16, 64>(p, s, programs) : launch<__nv_bfloat16, 128>(p, s, programs);
+  }
+  return p.head_size == 64 ? launch<__half, 64>(p, s, programs) : launch<__half, 128>(p, s, programs);
+}
+
+}  // namespace compilelm::cuda
