@@ -38,15 +38,6 @@ def decode_merge(request):
     torch.ops.compilelm.set_cluster_merge(previous)
 
 
-@pytest.fixture(params=["tensor_cores", "cuda_cores"])
-def decode_kernel(request):
-    """Decode attention outside clusters on tensor cores (bf16/fp16, head_size 64/128, groups up
-    to 16) or on CUDA cores (torch.ops.compilelm.set_decode_mma; fp32 and head_size 256 always)."""
-    previous = torch.ops.compilelm.set_decode_mma(request.param == "tensor_cores")
-    yield request.param
-    torch.ops.compilelm.set_decode_mma(previous)
-
-
 def assert_close(out, expected):
     elementwise, relative = TOLERANCES[out.dtype]
     torch.testing.assert_close(out, expected, **elementwise)

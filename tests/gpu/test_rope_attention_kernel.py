@@ -1,5 +1,6 @@
 """rope_paged_attention on CUDA: a pure-decode batch in one kernel (the decode attention kernel
-rotating the query and the new key itself, csrc/cuda/paged_attention_decode.cu kRope) against the
+rotating the query and the new key itself: in clusters, csrc/cuda/paged_attention_decode.cu kRope;
+batches too large for clusters on tensor cores, paged_attention_decode_mma.cu kRope) against the
 two kernels it replaces (rope_and_cache, then paged_attention): the same output and the same
 cache, bit for bit; against the plain-torch reference; which kernels ran (profiler); the
 fallbacks; CUDA-graph replay with new values; opcheck."""
@@ -35,16 +36,20 @@ def kernel_names(fn):
     return result, [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def check(args, max_query_len=1, fused=True):
-    """rope_paged_attention == the two ops (output and caches, exactly) and ~ the reference; `fused`:
-    whether it must run as one kernel (no rope_and_cache kernel), None: either."""
+def check(args, max_query_len=1, fused=True, same_attention=True):
+    """rope_paged_attention == the two ops (caches exactly; the output exactly where both run the same
+    attention kernel, `same_attention`) and ~ the reference; `fused`: whether it must run as one
+    kernel (no rope_and_cache kernel), None: either."""
     want, want_k, want_v = unfused(args, max_query_len)
     out, names = kernel_names(lambda: rope_paged_attention(*args, max_query_len))
     if fused is not None:
         assert fused == (not any("rope_and_cache_kernel" in n for n in names)), names
-    assert any("paged_attention_decode_kernel" in n for n in names)
+    assert any("paged_attention_decode" in n for n in names)  # on CUDA cores or tensor cores (_mma_)
     assert out.shape == args[1].shape and out.is_contiguous()
-    assert torch.equal(out, want)
+    if same_attention:
+        assert torch.equal(out, want)
+    else:
+        assert_close(out, want)
     assert torch.equal(args[5], want_k) and torch.equal(args[6], want_v)  # new rows written, the rest untouched
     ref_k, ref_v = args[5].clone(), args[6].clone()
     assert_close(out, rope_paged_attention_ref(*args[:5], ref_k, ref_v, *args[7:]))
@@ -58,7 +63,7 @@ def check(args, max_query_len=1, fused=True):
 # (1,): the new key is key 0; (1024,): SmolLM2/Llama decode at batch 1; the new keys of the
 # others land in different splits and steps of a split
 @pytest.mark.parametrize("contexts", [(1,), (1024,), (300, 1, 1024, 77), (65, 129, 17)])
-def test_fused_equals_two_kernels(dtype, head_size, num_heads, num_kv_heads, contexts):
+def test_fused_equals_two_kernels(dtype, head_size, num_heads, num_kv_heads, contexts, decode_kernel):
     # block tables 1024 keys wide (the engine's are max_model_len wide): the split-K is sized from
     # the width. Up to 16 programs (rows x kv heads; no padding rows here) run as clusters on an
     # H100, so fused; more may run as clusters of fewer splits or not (the launch heuristic
@@ -76,7 +81,12 @@ def test_cos_sin_table_in_model_dtype():
 
 @pytest.mark.parametrize("case", ["none", "small model", "batch 64", "head_size 256", "group 16", "fp32",
                                   "mixed batch", "no clusters", "unaligned query"])
-def test_fallbacks_run_the_two_kernels(case):
+def test_fused_or_two_kernels(case, decode_kernel):
+    # one kernel in clusters ("none"), or on tensor cores where clusters decline ("batch 64": too
+    # many programs; "group 16": over 8 heads; "no clusters"; the last with split-K merged by the
+    # last split); else rope_and_cache and paged_attention. (Group 16's two ops attend in clusters,
+    # on CUDA cores: the same output up to the tensor cores' rounding of the softmax weights.)
+    on_tensor_cores = decode_kernel == "tensor_cores" and case in ("batch 64", "group 16", "no clusters")
     kwargs = dict(num_heads=16, num_kv_heads=2, head_size=128, dtype=torch.bfloat16)
     contexts, max_query_len = (40, 700), 1
     if case == "small model":  # SmolLM2-135M's heads: query width 576 <= 1024
@@ -98,24 +108,26 @@ def test_fallbacks_run_the_two_kernels(case):
         wide = torch.zeros(q.shape[0], q[0].numel() + 1, dtype=q.dtype, device=q.device)
         args[1] = wide[:, 1:].view(q.shape).copy_(q)
     try:
-        check(args, max_query_len, fused=case == "none")
+        check(args, max_query_len, fused=case == "none" or on_tensor_cores,
+              same_attention=not (on_tensor_cores and case == "group 16"))
     finally:
         torch.ops.compilelm.set_cluster_merge(previous)
 
 
-def test_cuda_graph_replay_with_new_values():
+@pytest.mark.parametrize("rows", [2, 40])  # 16 programs: clusters; 320: on tensor cores
+def test_cuda_graph_replay_with_new_values(rows, decode_kernel):
     """Captured once, replayed with new q/k/v, contexts, positions and slots in the same buffers:
     each replay equals the two ops on those values (caches included)."""
-    shape = dict(num_heads=24, num_kv_heads=8, head_size=64, dtype=torch.bfloat16, num_pad_rows=2, num_blocks=130,
-                 width=64, max_position=1024)
-    args = decode_step((900, 1000), **shape)
+    shape = dict(num_heads=24, num_kv_heads=8, head_size=64, dtype=torch.bfloat16, num_pad_rows=2,
+                 num_blocks=65 * rows, width=64, max_position=1024)
+    args = decode_step((900, 1000) * (rows // 2), **shape)
     rope_paged_attention(*args, 1)  # warm-up outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = rope_paged_attention(*args, 1)
     for seed, contexts in enumerate([(5, 1000), (1000, 1), (640, 333)]):
-        new = decode_step(contexts, seed=seed + 1, **shape)
+        new = decode_step(contexts * (rows // 2), seed=seed + 1, **shape)
         for i in (0, 1, 2, 3, 7, 9, 10):  # positions, q, k, v (views of one qkv), slots, seq_lens, tables
             args[i].copy_(new[i])
         want, want_k, want_v = unfused(args, 1)
