@@ -27,32 +27,6 @@ __device__ __forceinline__ float rope_rotate(float x, float other, float c, floa
   return upper ? __fadd_rn(xc, os) : __fsub_rn(xc, os);
 }
 
-// x (the kVec elements of a lane) rotated in place by RoPE and rounded to T (rope_and_cache's
-// numbers: rope_rotate); the pair element of each sits kLanes / 2 lanes away (a row: kLanes lanes).
-template <typename T, int kVec, int kLanes>
-__device__ __forceinline__ void rotate_row(float (&x)[kVec], const float (&c)[kVec], const float (&s)[kVec],
-                                           bool upper) {
-#pragma unroll
-  for (int e = 0; e < kVec; ++e) {
-    const float other = __shfl_xor_sync(0xffffffffu, x[e], kLanes / 2);
-    x[e] = round_to<T>(rope_rotate(x[e], other, c[e], s[e], upper));
-  }
-}
-
-// cos and sin of RoPE pair j (< head_size / 2) at `position`, from r.cos_sin_cache ([max_position,
-// head_size] = cos | sin, fp32 or T), rounded to T (apply_rope's `.to(x.dtype)`)
-template <typename T>
-__device__ __forceinline__ void rope_cos_sin(const RopeCacheParams& r, int64_t position, int j, float& c, float& s) {
-  const int64_t at = position * r.head_size + j;
-  if (r.cos_sin_fp32) {
-    c = round_to<T>(static_cast<const float*>(r.cos_sin_cache)[at]);
-    s = round_to<T>(static_cast<const float*>(r.cos_sin_cache)[at + r.head_size / 2]);
-  } else {
-    c = to_float(static_cast<const T*>(r.cos_sin_cache)[at]);
-    s = to_float(static_cast<const T*>(r.cos_sin_cache)[at + r.head_size / 2]);
-  }
-}
-
 // Sequence of a query row: the last i in [0, num_seqs) with cu_seqlens_q[i] <= token
 // (the last, so that empty sequences sharing that start are skipped).
 __device__ __forceinline__ int find_seq(const int32_t* cu_seqlens_q, int num_seqs, int token) {

@@ -48,13 +48,11 @@ SplitParams launch_paged_attention_decode(const AttentionParams& p, const at::Te
 bool prefill_supported(at::ScalarType dtype, int head_size, int group);
 // The decode launcher's tensor-core kernel (paged_attention_decode_mma.cu), for its launches
 // outside clusters where supported and turned on (compilelm::set_decode_mma): one program per
-// (row, kv head) x num_splits, `programs` of them; with r (not null), RoPE inside as the cluster
-// kernel's kRope (all rows of a pure-decode batch; r's query and q_out unused).
-struct RopeCacheParams;
+// (row, kv head) x num_splits, `programs` of them.
 bool decode_mma_supported(at::ScalarType dtype, int head_size, int group);
 int64_t decode_mma_resident_programs(at::ScalarType dtype, int head_size);
 void launch_paged_attention_decode_mma(const AttentionParams& p, const SplitParams& s, at::ScalarType dtype,
-                                       int64_t programs, const RopeCacheParams* r = nullptr);
+                                       int64_t programs);
 void launch_paged_attention_prefill(const AttentionParams& p, const SplitParams& splits, const at::Tensor& query);
 
 // Copies key/value rows to their cache slots (see reshape_and_cache.cpp), in 16-byte units

@@ -151,7 +151,7 @@ at::Tensor rope_paged_attention(
     if (launch_rope_paged_attention_decode(call.params, rope.params, query.scalar_type(), call.max_context)) {
       return out;
     }
-    const at::Tensor rotated = run_rope_and_cache(rope, query);  // declined (fp32, head_size 256, ...): the two ops
+    const at::Tensor rotated = run_rope_and_cache(rope, query);  // declined (too many programs): the two ops
     call.params.query = rotated.const_data_ptr();
     call.params.q_stride = rotated.stride(0);
     run_attention(call, out, max_query_len);

@@ -30,8 +30,7 @@
 // and the split that holds the row's new key rotates that key, writes it and the value to their
 // cache slot and feeds both to its own key loop from registers (it never reads them back): no
 // rope_and_cache kernel before it. Used for models wider than kSmallModelQueryWidth
-// (paged_attention.cpp says why not below). Batches too large for clusters (and groups over 8
-// heads) take the tensor-core kernel's RoPE inside instead (paged_attention_decode_mma.cu, kRope).
+// (paged_attention.cpp says why not below).
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -40,7 +39,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <type_traits>
 
 #include "cuda/arrival_counters.h"
 #include "cuda/attention_common.cuh"
@@ -120,6 +118,18 @@ __device__ void merge_in_cluster(const AttentionParams& p, int token, int head0,
   }
   cluster.sync();
 #endif
+}
+
+// kRope: x (the kVec elements of a lane, kLoads == 1) rotated in place by RoPE and rounded to T
+// (rope_and_cache's numbers: rope_rotate); the pair element of each sits kLanes / 2 lanes away.
+template <typename T, int kVec, int kLanes>
+__device__ __forceinline__ void rotate_row(float (&x)[kVec], const float (&c)[kVec], const float (&s)[kVec],
+                                           bool upper) {
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) {
+    const float other = __shfl_xor_sync(0xffffffffu, x[e], kLanes / 2);
+    x[e] = round_to<T>(rope_rotate(x[e], other, c[e], s[e], upper));
+  }
 }
 
 template <typename T, int D, int GP, bool kCluster, bool kRope>
@@ -570,40 +580,13 @@ SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_r
   return s;
 }
 
-// RoPE inside on tensor cores (paged_attention_decode_mma.cu), all rows: one program per (row, kv
-// head), splits merged by the last to arrive; false (nothing launched) where not supported, or
-// where the arrival counters are not allocated yet (capturing before any launch).
-template <typename T>
-bool launch_rope_mma(const AttentionParams& p, const RopeCacheParams& r, int64_t max_context) {
-  const at::ScalarType dtype = std::is_same_v<T, __half> ? at::kHalf : at::kBFloat16;
-  if (!decode_mma_supported(dtype, p.head_size, p.group)) return false;
-  const int64_t programs = static_cast<int64_t>(p.num_tokens) * p.num_kv_heads;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  SplitParams s{true, choose_num_splits(programs, decode_mma_resident_programs(dtype, p.head_size), max_context,
-                                        kMaxSplits), nullptr, nullptr, nullptr};
-  at::Tensor workspace;  // freed on return: the stream orders its next user after the kernel
-  if (s.num_splits > 1) {
-    s.arrivals = arrival_counters(CounterUser::kAttention, programs, stream);
-    if (s.arrivals == nullptr) return false;
-    const int64_t partials = static_cast<int64_t>(p.num_tokens) * p.num_heads * s.num_splits;
-    int device = 0;
-    C10_CUDA_CHECK(cudaGetDevice(&device));
-    const auto options = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, device);
-    workspace = at::empty({partials * (p.head_size + 1)}, options);
-    s.partial_out = workspace.mutable_data_ptr<float>();
-    s.partial_lse = s.partial_out + partials * p.head_size;
-  }
-  launch_paged_attention_decode_mma(p, s, dtype, programs, &r);
-  return true;
-}
-
-// RoPE inside: the cluster launch of kernel <T, D, GP, true, true>, or, where a pure-decode batch
-// of this size would not run in clusters, the tensor-core kernel's (launch_rope_mma).
+// RoPE inside: the cluster launch of kernel <T, D, GP, true, true>, or false (nothing launched)
+// where a pure-decode batch of this size would not run in clusters.
 template <typename T, int D, int GP>
 bool launch_rope(const AttentionParams& p, const RopeCacheParams& r, int64_t max_context) {
   const int64_t programs = static_cast<int64_t>(p.num_tokens) * p.num_kv_heads;  // GP covers the group
   const int splits = cluster_splits<T, D, GP, true>(programs, max_context);
-  if (splits == 0) return launch_rope_mma<T>(p, r, max_context);
+  if (splits == 0) return false;
   launch_kernel_in_clusters(paged_attention_decode_kernel<T, D, GP, true, true>,
                             dim3(static_cast<unsigned>(programs), splits), dim3(1, splits, 1), kWarps * 32, 0,
                             c10::cuda::getCurrentCUDAStream(), p, SplitParams{true, splits, nullptr, nullptr, nullptr},
@@ -617,8 +600,7 @@ bool dispatch_rope_group(const AttentionParams& p, const RopeCacheParams& r, int
   if (p.group == 2) return launch_rope<T, D, 2>(p, r, max_context);
   if (p.group <= 4) return launch_rope<T, D, 4>(p, r, max_context);
   if (p.group <= 8) return launch_rope<T, D, 8>(p, r, max_context);
-  return launch_rope_mma<T>(p, r, max_context);  // one program takes the group (<= 16 heads); in clusters, chunks
-                                                 // of a group would each need the new key
+  return false;  // chunks of a group would each need the new key
 }
 
 template <typename T>

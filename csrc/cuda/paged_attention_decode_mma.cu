@@ -12,14 +12,6 @@
 // barrier in the key loop. The warps' softmax states merge at the end, and the split's output,
 // partial and last-split merge are the CUDA-core kernel's (attention_common.cuh). As in the
 // prefill kernel the softmax weights are rounded to the operand type before P @ V.
-//
-// RoPE inside (kRope, rope_paged_attention of a pure-decode batch too large for clusters): the
-// kernel takes the QKV projection's output as it is. The RoPE pair of query column j (j + D/2)
-// sits in the same lane and fragment slot D/32 k-steps on, so each lane rotates its own A
-// fragments. The warp whose tile holds the row's new key overwrites that row of its shared
-// tile (the copy read a stale cache row) with the rotated key and the value, and writes both to
-// the cache slot. The numbers are rope_and_cache's (rope_rotate, rope_cos_sin): the same bits as
-// the two kernels it replaces.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -46,54 +38,9 @@ static_assert(smem_bytes<64>() >= kWarps * kRows * 64 * 4, "the warps' states re
 
 __device__ __forceinline__ uint32_t load_pair(const void* ptr) { return *static_cast<const uint32_t*>(ptr); }
 
-// kRope: two elements (e = 0, 1) of a lower-half register lo and their pairs in hi, rotated in place
-template <typename T>
-__device__ __forceinline__ void rotate_pairs(uint32_t& lo, uint32_t& hi, const float (&c)[2], const float (&s)[2]) {
-  const T* l = reinterpret_cast<const T*>(&lo);
-  const T* h = reinterpret_cast<const T*>(&hi);
-  float lo_out[2], hi_out[2];
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const float x = to_float(l[e]), y = to_float(h[e]);
-    lo_out[e] = rope_rotate(x, y, c[e], s[e], false);
-    hi_out[e] = rope_rotate(y, x, c[e], s[e], true);
-  }
-  lo = pack<T>(lo_out[0], lo_out[1]);
-  hi = pack<T>(hi_out[0], hi_out[1]);
-}
-
-// kRope: the new key row rotated (lanes l < D/8: elements 8 l .. 8 l + 7, pairs D/16 lanes away)
-// and the value row into the warp's shared tile row, and both to the cache slot (outside [0,
-// num_slots): not written)
 template <typename T, int D>
-__device__ __forceinline__ void write_fresh_row(const RopeCacheParams& r, const AttentionParams& p, int64_t slot,
-                                                int64_t position, int kv_head, uint4 k_raw, const uint4& v_raw,
-                                                T* k_row, T* v_row) {
-  constexpr int kLanes = D / 8;
-  const int lane = threadIdx.x % 32;
-  float k[8], c[8], s[8];
-  widen<T>(k_raw, k);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) rope_cos_sin<T>(r, position, (lane % (kLanes / 2)) * 8 + e, c[e], s[e]);
-  rotate_row<T, 8, kLanes>(k, c, s, lane % kLanes >= kLanes / 2);  // every lane shuffles
-  if (lane >= kLanes) return;
-  T rotated[8];
-#pragma unroll
-  for (int e = 0; e < 8; ++e) rotated[e] = from_float<T>(k[e]);
-  const uint4 k_out = *reinterpret_cast<const uint4*>(rotated);
-  *reinterpret_cast<uint4*>(k_row + lane * 8) = k_out;
-  *reinterpret_cast<uint4*>(v_row + lane * 8) = v_raw;
-  if (slot >= 0 && slot < r.num_slots) {
-    const int64_t dst = slot / p.block_size * p.block_stride + slot % p.block_size * p.slot_stride +
-                        kv_head * p.head_stride + lane * 8;
-    *reinterpret_cast<uint4*>(static_cast<T*>(r.key_cache) + dst) = k_out;
-    *reinterpret_cast<uint4*>(static_cast<T*>(r.value_cache) + dst) = v_raw;
-  }
-}
-
-template <typename T, int D, bool kRope>
 __global__ void __launch_bounds__(kWarps * 32)
-    paged_attention_decode_mma_kernel(const AttentionParams p, const SplitParams s, const RopeCacheParams r) {
+    paged_attention_decode_mma_kernel(const AttentionParams p, const SplitParams s) {
   constexpr int kStride = D + kPad;
   constexpr int kChunks = D / 8;  // 16-byte chunks of a row
   extern __shared__ __align__(16) unsigned char smem[];
@@ -107,12 +54,6 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int split = blockIdx.y;
 
   // Before the PDL wait (launch.cuh): the step's metadata and the context rows of earlier steps
-  // (kRope, all rows: row = token: also the row's slot and position, and the query's cos / sin)
-  int64_t slot = -1, position = 0;
-  if constexpr (kRope) {
-    slot = r.slot_mapping[row];
-    position = r.positions[row];
-  }
   const DecodeRange range = decode_range(p, s, row, split);
   const bool located = range.located;
   const int token = range.token, seq = range.seq, num_keys = range.num_keys, active = range.active;
@@ -152,19 +93,6 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
   };
   if (early) load_prologue();
-  // kRope: cos / sin of this lane's query columns 16 ks + 2 quad + 8 half + e (ks < D/32: the lower half)
-  const int group_row = lane / 4, quad = lane % 4;
-  float q_cos[kRope ? D / 32 : 1][2][2], q_sin[kRope ? D / 32 : 1][2][2];
-  if constexpr (kRope) {
-#pragma unroll
-    for (int ks = 0; ks < D / 32; ++ks)
-#pragma unroll
-      for (int half = 0; half < 2; ++half)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          rope_cos_sin<T>(r, position, ks * 16 + 2 * quad + 8 * half + e, q_cos[ks][half][e], q_sin[ks][half][e]);
-        }
-  }
   wait_for_prior_kernels();  // PDL (launch.cuh): before any read of earlier kernels' outputs
   allow_dependent_kernels();
   if (!located) {
@@ -176,38 +104,16 @@ __global__ void __launch_bounds__(kWarps * 32)
   if (!early) load_prologue();
 
   // A fragments of the group's query rows (lane = 4 * group + quad: rows group, group + 8)
+  const int group_row = lane / 4, quad = lane % 4;
   const T* query = static_cast<const T*>(p.query) + static_cast<int64_t>(token) * p.q_stride + head0 * D + 2 * quad;
   uint32_t q_frag[D / 16][4];
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int q_row = group_row + 8 * h;
-      q_frag[ks][h] = q_row < num_q ? load_pair(query + q_row * D + ks * 16) : 0u;
-      q_frag[ks][h + 2] = q_row < num_q ? load_pair(query + q_row * D + ks * 16 + 8) : 0u;
-    }
-  }
-  if constexpr (kRope) {  // slot j of k-step ks (lower half) pairs with slot j of k-step ks + D/32
-#pragma unroll
-    for (int ks = 0; ks < D / 32; ++ks)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        rotate_pairs<T>(q_frag[ks][j], q_frag[ks + D / 32][j], q_cos[ks][j / 2], q_sin[ks][j / 2]);
-      }
-  }
-  // kRope: the new key is key `fresh` of this row (q_len 1), in the tile (fresh_tile) of one warp
-  // of the split that holds it; that warp's lanes l < D/8 hold 8 elements each of the raw key and
-  // value row, loaded now (after the wait: the projection wrote them) and used in that tile
-  const int fresh_index = (fresh - begin) / kTileKeys;  // of the split's tiles
-  const bool holds_fresh = kRope && begin <= fresh && fresh < end && fresh_index % kWarps == warp;
-  const int fresh_tile = holds_fresh ? fresh_index / kWarps : -1;  // of this warp's tiles
-  uint4 fresh_k = make_uint4(0, 0, 0, 0), fresh_v = make_uint4(0, 0, 0, 0);
-  if constexpr (kRope) {
-    if (holds_fresh && lane < D / 8) {
-      const T* key = static_cast<const T*>(r.key) + token * r.k_stride + kv_head * D + lane * 8;
-      const T* value = static_cast<const T*>(r.value) + token * r.v_stride + kv_head * D + lane * 8;
-      fresh_k = *reinterpret_cast<const uint4*>(key);
-      fresh_v = *reinterpret_cast<const uint4*>(value);
+      const int r = group_row + 8 * h;
+      q_frag[ks][h] = r < num_q ? load_pair(query + r * D + ks * 16) : 0u;
+      q_frag[ks][h + 2] = r < num_q ? load_pair(query + r * D + ks * 16 + 8) : 0u;
     }
   }
 
@@ -220,14 +126,6 @@ __global__ void __launch_bounds__(kWarps * 32)
     __syncwarp();                  // ... and every lane's
     const T* k_tile = s_k + (i % kStages) * kTileKeys * kStride;
     const T* v_tile = s_v + (i % kStages) * kTileKeys * kStride;
-    if constexpr (kRope) {
-      if (i == fresh_tile) {
-        write_fresh_row<T, D>(r, p, slot, position, kv_head, fresh_k, fresh_v,
-                              s_k + ((i % kStages) * kTileKeys + (fresh - begin) % kTileKeys) * kStride,
-                              s_v + ((i % kStages) * kTileKeys + (fresh - begin) % kTileKeys) * kStride);
-        __syncwarp();
-      }
-    }
 
     // S = Q K^T: [16 rows x 16 keys] as two accumulator tiles of 8 keys
     float sc[2][4] = {};
@@ -291,10 +189,10 @@ __global__ void __launch_bounds__(kWarps * 32)
   merge_if_last_split<T>(p, s, row, token, num_keys, head0, num_q, active, s_last, &s_weight[0][0]);
 }
 
-template <typename T, int D, bool kRope>
+template <typename T, int D>
 void configure() {  // more than 48 KB of dynamic shared memory is opt-in
   static const bool configured = [] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(paged_attention_decode_mma_kernel<T, D, kRope>,
+    C10_CUDA_CHECK(cudaFuncSetAttribute(paged_attention_decode_mma_kernel<T, D>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<D>()));
     return true;
   }();
@@ -302,12 +200,12 @@ void configure() {  // more than 48 KB of dynamic shared memory is opt-in
 }
 
 template <typename T, int D>
-int64_t resident_programs() {  // the kRope variant has the same shared memory; registers: see launch
+int64_t resident_programs() {
   static const int64_t capacity = [] {
-    configure<T, D, false>();
+    configure<T, D>();
     int per_sm = 0, sms = 0, device = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_sm, paged_attention_decode_mma_kernel<T, D, false>, kWarps * 32, smem_bytes<D>()));
+        &per_sm, paged_attention_decode_mma_kernel<T, D>, kWarps * 32, smem_bytes<D>()));
     C10_CUDA_CHECK(cudaGetDevice(&device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     return static_cast<int64_t>(std::max(per_sm, 1)) * sms;
@@ -316,17 +214,10 @@ int64_t resident_programs() {  // the kRope variant has the same shared memory; 
 }
 
 template <typename T, int D>
-void launch(const AttentionParams& p, const SplitParams& s, int64_t programs, const RopeCacheParams* r) {
-  const dim3 grid(static_cast<unsigned>(programs), s.num_splits);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (r != nullptr) {
-    configure<T, D, true>();
-    launch_kernel(paged_attention_decode_mma_kernel<T, D, true>, grid, kWarps * 32, smem_bytes<D>(), stream, p, s, *r);
-  } else {
-    configure<T, D, false>();
-    launch_kernel(paged_attention_decode_mma_kernel<T, D, false>, grid, kWarps * 32, smem_bytes<D>(), stream, p, s,
-                  RopeCacheParams{});
-  }
+void launch(const AttentionParams& p, const SplitParams& s, int64_t programs) {
+  configure<T, D>();
+  launch_kernel(paged_attention_decode_mma_kernel<T, D>, dim3(static_cast<unsigned>(programs), s.num_splits),
+                kWarps * 32, smem_bytes<D>(), c10::cuda::getCurrentCUDAStream(), p, s);
 }
 
 }  // namespace
@@ -343,12 +234,11 @@ int64_t decode_mma_resident_programs(at::ScalarType dtype, int head_size) {
 }
 
 void launch_paged_attention_decode_mma(const AttentionParams& p, const SplitParams& s, at::ScalarType dtype,
-                                       int64_t programs, const RopeCacheParams* r) {
+                                       int64_t programs) {
   if (dtype == at::kBFloat16) {
-    return p.head_size == 64 ? launch<__nv_bfloat16, 64>(p, s, programs, r)
-                             : launch<__nv_bfloat16, 128>(p, s, programs, r);
+    return p.head_size == 64 ? launch<__nv_bfloat16, 64>(p, s, programs) : launch<__nv_bfloat16, 128>(p, s, programs);
   }
-  return p.head_size == 64 ? launch<__half, 64>(p, s, programs, r) : launch<__half, 128>(p, s, programs, r);
+  return p.head_size == 64 ? launch<__half, 64>(p, s, programs) : launch<__half, 128>(p, s, programs);
 }
 
 }  // namespace compilelm::cuda

@@ -1,6 +1,5 @@
 """rope_paged_attention on CUDA: a pure-decode batch in one kernel (the decode attention kernel
-rotating the query and the new key itself: in clusters, csrc/cuda/paged_attention_decode.cu kRope;
-batches too large for clusters on tensor cores, paged_attention_decode_mma.cu kRope) against the
+rotating the query and the new key itself, csrc/cuda/paged_attention_decode.cu kRope) against the
 two kernels it replaces (rope_and_cache, then paged_attention): the same output and the same
 cache, bit for bit; against the plain-torch reference; which kernels ran (profiler); the
 fallbacks; CUDA-graph replay with new values; opcheck."""
@@ -36,20 +35,16 @@ def kernel_names(fn):
     return result, [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def check(args, max_query_len=1, fused=True, same_attention=True):
-    """rope_paged_attention == the two ops (caches exactly; the output exactly where both run the same
-    attention kernel, `same_attention`) and ~ the reference; `fused`: whether it must run as one
-    kernel (no rope_and_cache kernel), None: either."""
+def check(args, max_query_len=1, fused=True):
+    """rope_paged_attention == the two ops (output and caches, exactly) and ~ the reference; `fused`:
+    whether it must run as one kernel (no rope_and_cache kernel), None: either."""
     want, want_k, want_v = unfused(args, max_query_len)
     out, names = kernel_names(lambda: rope_paged_attention(*args, max_query_len))
     if fused is not None:
         assert fused == (not any("rope_and_cache_kernel" in n for n in names)), names
     assert any("paged_attention_decode" in n for n in names)  # on CUDA cores or tensor cores (_mma_)
     assert out.shape == args[1].shape and out.is_contiguous()
-    if same_attention:
-        assert torch.equal(out, want)
-    else:
-        assert_close(out, want)
+    assert torch.equal(out, want)
     assert torch.equal(args[5], want_k) and torch.equal(args[6], want_v)  # new rows written, the rest untouched
     ref_k, ref_v = args[5].clone(), args[6].clone()
     assert_close(out, rope_paged_attention_ref(*args[:5], ref_k, ref_v, *args[7:]))
@@ -81,12 +76,9 @@ def test_cos_sin_table_in_model_dtype():
 
 @pytest.mark.parametrize("case", ["none", "small model", "batch 64", "head_size 256", "group 16", "fp32",
                                   "mixed batch", "no clusters", "unaligned query"])
-def test_fused_or_two_kernels(case, decode_kernel):
-    # one kernel in clusters ("none"), or on tensor cores where clusters decline ("batch 64": too
-    # many programs; "group 16": over 8 heads; "no clusters"; the last with split-K merged by the
-    # last split); else rope_and_cache and paged_attention. (Group 16's two ops attend in clusters,
-    # on CUDA cores: the same output up to the tensor cores' rounding of the softmax weights.)
-    on_tensor_cores = decode_kernel == "tensor_cores" and case in ("batch 64", "group 16", "no clusters")
+def test_fallbacks_run_the_two_kernels(case, decode_kernel):
+    # one kernel in clusters ("none"); else rope_and_cache, then paged_attention on either decode
+    # kernel (batches too large for clusters: tensor cores by default)
     kwargs = dict(num_heads=16, num_kv_heads=2, head_size=128, dtype=torch.bfloat16)
     contexts, max_query_len = (40, 700), 1
     if case == "small model":  # SmolLM2-135M's heads: query width 576 <= 1024
@@ -108,13 +100,12 @@ def test_fused_or_two_kernels(case, decode_kernel):
         wide = torch.zeros(q.shape[0], q[0].numel() + 1, dtype=q.dtype, device=q.device)
         args[1] = wide[:, 1:].view(q.shape).copy_(q)
     try:
-        check(args, max_query_len, fused=case == "none" or on_tensor_cores,
-              same_attention=not (on_tensor_cores and case == "group 16"))
+        check(args, max_query_len, fused=case == "none")
     finally:
         torch.ops.compilelm.set_cluster_merge(previous)
 
 
-@pytest.mark.parametrize("rows", [2, 40])  # 16 programs: clusters; 320: on tensor cores
+@pytest.mark.parametrize("rows", [2, 40])  # 16 programs: clusters; 320: rope_and_cache + tensor cores
 def test_cuda_graph_replay_with_new_values(rows, decode_kernel):
     """Captured once, replayed with new q/k/v, contexts, positions and slots in the same buffers:
     each replay equals the two ops on those values (caches included)."""
