@@ -20,6 +20,7 @@ namespace {
 std::atomic<bool> programmatic_launch{true};
 std::atomic<bool> cluster_merge{true};
 std::atomic<bool> decode_mma{true};
+std::atomic<bool> hopper_gemm{true};
 }  // namespace
 
 // CUDA kernels launch with programmatic dependent launch (csrc/cuda/launch.cuh) unless turned off.
@@ -38,6 +39,12 @@ bool set_cluster_merge(bool enabled) { return cluster_merge.exchange(enabled); }
 bool decode_mma_enabled() { return decode_mma.load(std::memory_order_relaxed); }
 
 bool set_decode_mma(bool enabled) { return decode_mma.exchange(enabled); }
+
+// Linear layers at 3-64 rows on sm_90 go to hopper_mm_out (csrc/cuda/skinny_mm.cu, decode_mm) unless
+// turned off: then to cuBLAS.
+bool hopper_gemm_enabled() { return hopper_gemm.load(std::memory_order_relaxed); }
+
+bool set_hopper_gemm(bool enabled) { return hopper_gemm.exchange(enabled); }
 }  // namespace compilelm
 
 TORCH_LIBRARY(compilelm, m) {
@@ -52,6 +59,10 @@ TORCH_LIBRARY(compilelm, m) {
   // up to 16) or, turned off, on CUDA cores; returns the previous setting. Takes effect for
   // launches (and graph captures) after the call.
   m.def("set_decode_mma(bool enabled) -> bool", &compilelm::set_decode_mma);
+  // skinny_mm and its fused variants send 3-64 rows of a large weight (sm_90) to hopper_mm_out or,
+  // turned off, to cuBLAS; returns the previous setting. Takes effect for launches (and graph
+  // captures) after the call.
+  m.def("set_hopper_gemm(bool enabled) -> bool", &compilelm::set_hopper_gemm);
   // key, value: [num_tokens, num_kv_heads, head_size]; slot_mapping: int64 [num_tokens], -1 skips.
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
@@ -105,6 +116,10 @@ TORCH_LIBRARY(compilelm, m) {
   // skinny_mm_out, then argmax = argmax_rows(out) (int64 [M]): a full decode graph's LM head and
   // greedy sampling, one kernel on CUDA at M <= 2.
   m.def("skinny_mm_argmax_out(Tensor x, Tensor weight, Tensor(a!) out, Tensor(b!) argmax) -> ()");
+  // out = x @ weight.T (x: [M <= 64, K], weight: [N, K], out: [M, N], bf16/fp16) for skinny_mm's
+  // CUDA ops to call on sm_90 (3-64 rows); pdl: launch with programmatic dependent launch. Its CUDA
+  // kernel is Triton's, registered by compilelm/ops/hopper_gemm.py where Triton is importable.
+  m.def("hopper_mm_out(Tensor x, Tensor weight, Tensor(a!) out, bool pdl) -> ()");
   // rms_norm(x) @ weight.T, and with residual: residual_out = x + residual;
   // (rms_norm(residual_out) @ weight.T, residual_out). norm_weight: [K]. The norm's roundings are
   // those of compilelm.layers.layernorm.rms_norm; the CUDA kernel does norm and GEMV in one pass at M <= 2.

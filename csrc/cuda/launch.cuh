@@ -56,6 +56,7 @@ namespace compilelm {
 bool programmatic_launch_enabled();  // csrc/ops.cpp
 bool cluster_merge_enabled();        // csrc/ops.cpp
 bool decode_mma_enabled();           // csrc/ops.cpp
+bool hopper_gemm_enabled();          // csrc/ops.cpp
 }  // namespace compilelm
 
 namespace compilelm::cuda {

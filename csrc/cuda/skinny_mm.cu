@@ -46,10 +46,12 @@
 // kernel of its own after the graph (~4 us at batch 1 on an H100, then the launch gap).
 //
 // More than kMaxRows rows, or layouts the kernel does not take (unaligned, strided K, mixed
-// dtypes, rows over kMaxSharedBytes), go to at::mm (after the norm kernel of fused_ops.cpp for
+// dtypes, rows over kMaxSharedBytes), go to decode_mm: on sm_90, 3-64 rows of a large weight to
+// the Triton kernel of compilelm/ops/hopper_gemm.py (hopper_mm_out), else to cuBLAS (after the norm kernel of fused_ops.cpp for
 // the norm ops, after the SiLU-and-mul kernel for silu_mul_skinny_mm: as many kernels as the
 // unfused graph): the ops are correct for every input, the kernels are the fast path.
 #include <ATen/ops/empty.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/mm.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -464,6 +466,42 @@ bool fast_path(const at::Tensor& x, const at::Tensor& weight) {
          aligned_rows(x) && aligned_rows(weight);
 }
 
+// compilelm::hopper_mm_out (compilelm/ops/hopper_gemm.py: Triton, TMA + wgmma, PDL) takes the rows
+// above kMaxRows up to 64 on sm_90 for weights of at least 8M elements and K >= 1024 (a few K
+// steps per block gained nothing: SmolLM2-135M's LM head), where its CUDA kernel is registered
+// (Triton importable) and set_hopper_gemm has not turned it off.
+bool hopper_mm_takes(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
+  const auto dtype = x.scalar_type();
+  const auto tma_rows = [](const at::Tensor& t) {  // a TMA descriptor's layout: unit stride, 16-byte rows
+    return t.stride(1) == 1 && (t.stride(0) * t.element_size()) % 16 == 0 &&
+           reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+  };
+  if (!hopper_gemm_enabled() || x.size(0) <= kMaxRows || x.size(0) > 64 || weight.size(1) < 1024 ||
+      weight.size(0) * weight.size(1) < (int64_t{8} << 20) || (dtype != at::kBFloat16 && dtype != at::kHalf) ||
+      out.scalar_type() != dtype || out.stride(1) != 1 || !tma_rows(x) || !tma_rows(weight) ||
+      at::cuda::getCurrentDeviceProperties()->major != 9) {
+    return false;
+  }
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow("compilelm::hopper_mm_out", "")
+      .hasKernelForDispatchKey(c10::DispatchKey::CUDA);
+}
+
+// x @ weight.T into out (allocated if undefined) where the kernel here does not take the rows:
+// hopper_mm_out where it takes them, else cuBLAS.
+at::Tensor decode_mm(const at::Tensor& x, const at::Tensor& weight, at::Tensor out = at::Tensor()) {
+  if (!out.defined()) out = at::empty({x.size(0), weight.size(0)}, x.options());
+  if (hopper_mm_takes(x, weight, out)) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("compilelm::hopper_mm_out", "")
+                               .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>();
+    op.call(x, weight, out, programmatic_launch_enabled());
+  } else {
+    at::mm_out(out, x, weight.t());
+  }
+  return out;
+}
+
 SkinnyParams mm_params(const at::Tensor& x, const at::Tensor& weight, at::Tensor& y) {
   SkinnyParams p{};
   p.x = x.const_data_ptr();
@@ -503,9 +541,9 @@ std::tuple<at::Tensor, at::Tensor> norm_mm(const at::Tensor& x, const at::Tensor
                                            const at::Tensor& norm_weight, double eps, const at::Tensor& weight,
                                            const char* op, const RopeCacheParams* rope = nullptr) {
   if (!norm_mm_fuses(x, residual, norm_weight, weight, op)) {  // the norm kernel, then cuBLAS
-    if (residual == nullptr) return {at::mm(rms_norm(x, norm_weight, eps), weight.t()), at::Tensor()};
+    if (residual == nullptr) return {decode_mm(rms_norm(x, norm_weight, eps), weight), at::Tensor()};
     auto [normed, residual_out] = fused_add_rms_norm(x, *residual, norm_weight, eps);
-    return {at::mm(normed, weight.t()), residual_out};
+    return {decode_mm(normed, weight), residual_out};
   }
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());  // (with rope: not written)
@@ -568,7 +606,7 @@ std::tuple<at::Tensor, at::Tensor> norm_mm_rope(const at::Tensor& x, const at::T
 
 at::Tensor skinny_mm(const at::Tensor& x, const at::Tensor& weight) {
   check_mm(x, weight, "skinny_mm");
-  if (!fast_path(x, weight)) return at::mm(x, weight.t());
+  if (!fast_path(x, weight)) return decode_mm(x, weight);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
   dispatch<Prologue::kNone>(mm_params(x, weight, y), x.scalar_type(), x.size(0));
@@ -578,9 +616,9 @@ at::Tensor skinny_mm(const at::Tensor& x, const at::Tensor& weight) {
 void skinny_mm_out(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
   check_mm(x, weight, "skinny_mm_out");
   skinny_mm_out_check(x, weight, out, "skinny_mm_out");
-  at::Tensor y = out;  // (a handle: the kernel and cuBLAS write out's memory)
+  at::Tensor y = out;  // (a handle: the kernels and cuBLAS write out's memory)
   if (!fast_path(x, weight)) {
-    at::mm_out(y, x, weight.t());
+    decode_mm(x, weight, y);
     return;
   }
   const c10::cuda::CUDAGuard guard(x.device());
@@ -634,7 +672,7 @@ at::Tensor silu_mul_skinny_mm(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "silu_mul_skinny_mm: x and weight must have one dtype, got ",
               x.scalar_type(), " and ", weight.scalar_type());
   if (!fast_path(x, weight) || x.size(0) * weight.size(1) * x.element_size() > kMaxSharedBytes) {
-    return at::mm(silu_and_mul(x), weight.t());  // two kernels, as unfused
+    return decode_mm(silu_and_mul(x), weight);  // two kernels, as unfused
   }
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());

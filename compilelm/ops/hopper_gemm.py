@@ -1,0 +1,80 @@
+"""hopper_mm_out: `out = x @ weight.T` for 3-64 rows on Hopper (sm_90), the decode GEMM between
+skinny_mm's CUDA-core kernel (1-2 rows) and cuBLAS (prefill).
+
+At 3-64 rows a linear layer is still a stream over its weight. cuBLAS reaches ~2.2-2.7 TB/s on
+Llama-3.1-8B's layers at M = 64 on an H100 (read-only streaming reaches ~3.1): its kernels are
+short (15-90 us), and each loses its ramp and tail, where fewer blocks stream than the GPU holds.
+This kernel (Triton: TMA loads of x and weight tiles into a `STAGES`-deep shared ring, wgmma with
+the weight tile as the A operand, so x's rows are the narrow N extent) launches with programmatic
+dependent launch like csrc/cuda/launch.cuh's kernels: it waits for the kernel before it
+(`gdc_wait`) before it reads x or writes out, then lets the next kernel launch at once, so its
+blocks are resident while the previous kernel drains. Tiles were chosen on an H100 over
+BN 32/64/128 x stages 3/4/6 x BM 16/32/64 x split-K 1-8 x both operand orders, at M = 3..64
+(benchmarks/results/hopper_gemm_gpu.log): split-K never won; x as the A operand (BM = 64 rows
+always) lost up to 50% at M <= 32.
+
+C++ calls this op (csrc/cuda/skinny_mm.cu, `decode_mm`) where its kernel does not take the rows
+and the weight is large enough to gain (N * K >= 8M elements, K >= 1024); `compilelm::set_hopper_gemm(False)`
+sends those calls to cuBLAS instead. The op's CUDA kernel is registered here only where Triton
+with host tensor descriptors is importable; without it the C++ side uses cuBLAS.
+"""
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # CPU builds of torch ship without Triton
+    triton = None
+
+
+@torch.library.register_kernel("compilelm::hopper_mm_out", "cpu")
+def _(x, weight, out, pdl):
+    torch.mm(x, weight.t(), out=out)
+
+
+@torch.library.register_fake("compilelm::hopper_mm_out")
+def _(x, weight, out, pdl):
+    return None
+
+
+def tile_config(m: int, n: int) -> tuple[int, int, int, int]:
+    """(BM, BN, BK, stages) for m rows of a weight with n rows. BM: m rounded up to 16/32/64 (the
+    wgmma N extent: x's tile is the B operand, the weight's the A operand, so a few rows waste
+    little). Best or within 1.5% on every Llama-3.1-8B layer shape at m = 3..64 on an H100."""
+    bm = max(16, triton.next_power_of_2(m)) if triton is not None else 64
+    if n >= 16384:  # gate_up, LM head
+        return bm, 128, 128, 3 if bm == 64 else 4
+    return bm, 64, 128, 4 if n > 4096 else 6
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["M"])
+    def _hopper_mm_kernel(x_desc, w_desc, y_ptr, M, N, K, stride_ym,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+        # x_desc: [M, K] in tiles [BM, BK] (rows past M read as zeros); w_desc: [N, K] in tiles [BN, BK]
+        pid = tl.program_id(0)
+        tl.extra.cuda.gdc_wait()  # x is the previous kernel's output; out may still be read by it
+        tl.extra.cuda.gdc_launch_dependents()
+        acc = tl.zeros((BN, BM), tl.float32)  # out.T tile
+        for k in tl.range(0, K, BK, num_stages=STAGES):
+            x = x_desc.load([0, k])  # [BM, BK]
+            w = w_desc.load([pid * BN, k])  # [BN, BK]
+            acc = tl.dot(w, x.T, acc)
+        rm = tl.arange(0, BM)
+        rn = pid * BN + tl.arange(0, BN)
+        tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=(rm[None, :] < M) & (rn[:, None] < N))
+
+    @torch.library.register_kernel("compilelm::hopper_mm_out", "cuda")
+    def _(x, weight, out, pdl):
+        # x: [M <= 64, K]; weight: [N, K]; out: [M, N] (row stride out.stride(0)); bf16/fp16, 16-byte aligned
+        # rows (the C++ caller checks)
+        n, k = weight.shape
+        bm, bn, bk, stages = tile_config(x.shape[0], n)
+        x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
+        w_desc = TensorDescriptor.from_tensor(weight, [bn, bk])
+        _hopper_mm_kernel[(triton.cdiv(n, bn),)](x_desc, w_desc, out, x.shape[0], n, k, out.stride(0), BM=bm, BN=bn,
+                                                 BK=bk, STAGES=stages, num_warps=4, launch_pdl=pdl)

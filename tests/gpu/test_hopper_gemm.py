@@ -1,0 +1,121 @@
+"""compilelm::hopper_mm_out (compilelm/ops/hopper_gemm.py: Triton, sm_90) against fp64 matmuls on
+the model shapes it serves (Llama-3.1-8B's layers, SmolLM2-135M's LM head; N not a multiple of the
+tile, K not a multiple of 128), at 3-64 rows, in a row slice of a wider buffer and inside a CUDA
+graph; opcheck; and the routing: skinny_mm and its norm / SiLU-and-mul variants send 3-64 rows of a
+large weight to it (the profiler sees its kernel) and give cuBLAS's numbers to rounding, and
+set_hopper_gemm(False) sends them to cuBLAS."""
+
+import pytest
+import torch
+from torch.library import opcheck
+
+from compilelm.ops import fused_add_rms_norm_skinny_mm, rms_norm_skinny_mm, skinny_mm, skinny_mm_out
+from compilelm.ops.hopper_gemm import triton
+from compilelm.ops.linear import silu_mul_skinny_mm
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9 or triton is None,
+                       reason="hopper_mm_out runs on sm_90 with Triton"),
+]
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}  # of the output's scale
+KERNEL = "_hopper_mm_kernel"
+
+
+def rel_err(got, x, w):
+    want = x.double() @ w.double().t()
+    return (got.double() - want).abs().max().item() / (want.abs().max().item() + 1e-6)
+
+
+def operands(m, n, k, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed * 7919 + m * 1000 + n)
+    x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.05).to(dtype)
+    return x, w
+
+
+def kernels_run(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [3, 17, 64])
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (49152, 576),
+                                  (4100, 2048), (30000, 1000)])
+def test_matches_reference(dtype, m, n, k):
+    x, w = operands(m, n, k, dtype)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+    torch.ops.compilelm.hopper_mm_out(x, w, out, True)
+    err = rel_err(out, x, w)
+    assert err <= TOL[dtype], f"relative error {err:.2e} at M {m}, weight [{n}, {k}], {dtype}"
+
+
+def test_row_slice_of_a_wider_buffer_and_repeat_calls_are_identical():
+    x, w = operands(12, 6144, 4096, torch.bfloat16)
+    wide = torch.zeros(12, 6144 + 64, device="cuda", dtype=torch.bfloat16)
+    out = wide[:, :6144]
+    torch.ops.compilelm.hopper_mm_out(x, w, out, False)
+    first = out.clone()
+    torch.ops.compilelm.hopper_mm_out(x, w, out, True)
+    assert torch.equal(first, out)  # no split-K: the same numbers every call
+    assert rel_err(out, x, w) <= TOL[torch.bfloat16]
+    assert torch.count_nonzero(wide[:, 6144:]) == 0
+
+
+def test_inside_a_cuda_graph():
+    x, w = operands(40, 28672, 4096, torch.bfloat16)
+    out = torch.empty(40, 28672, device="cuda", dtype=torch.bfloat16)
+    torch.ops.compilelm.hopper_mm_out(x, w, out, True)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.compilelm.hopper_mm_out(x, w, out, True)
+    for seed in (1, 2):
+        x.copy_(operands(40, 28672, 4096, torch.bfloat16, seed)[0])
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, x, w) <= TOL[torch.bfloat16]
+
+
+def test_opcheck():
+    x, w = operands(8, 4096, 2048, torch.bfloat16)
+    out = torch.empty(8, 4096, device="cuda", dtype=torch.bfloat16)
+    opcheck(torch.ops.compilelm.hopper_mm_out.default, (x, w, out, True))
+
+
+def test_skinny_mm_ops_route_large_weights_here():
+    """3-64 rows of an 8M-element weight: the Triton kernel (and cuBLAS's numbers to rounding);
+    2 rows: skinny_mm's own kernel; a small weight or set_hopper_gemm(False): cuBLAS."""
+    dtype = torch.bfloat16
+    x, w = operands(24, 4096, 4096, dtype)
+    norm_w = (torch.rand(4096, device="cuda") + 0.5).to(dtype)
+    residual = torch.randn_like(x)
+    gate_up = torch.randn(24, 2 * 4096, device="cuda", dtype=dtype)
+    out = torch.empty(24, 4096, device="cuda", dtype=dtype)
+    calls = {
+        "skinny_mm": lambda: skinny_mm(x, w),
+        "skinny_mm_out": lambda: skinny_mm_out(x, w, out).clone(),
+        "rms_norm_skinny_mm": lambda: rms_norm_skinny_mm(x, norm_w, 1e-6, w),
+        "fused_add_rms_norm_skinny_mm": lambda: fused_add_rms_norm_skinny_mm(x, residual, norm_w, 1e-6, w)[0],
+        "silu_mul_skinny_mm": lambda: silu_mul_skinny_mm(gate_up, w),
+    }
+    for name, call in calls.items():
+        assert KERNEL in " ".join(kernels_run(call)), name
+        ours = call()
+        previous = torch.ops.compilelm.set_hopper_gemm(False)
+        try:
+            assert KERNEL not in " ".join(kernels_run(call)), name
+            theirs = call()
+        finally:
+            torch.ops.compilelm.set_hopper_gemm(previous)
+        scale = theirs.double().abs().max().item()
+        err = (ours.double() - theirs.double()).abs().max().item() / scale
+        assert err <= TOL[dtype], f"{name}: {err:.2e} from cuBLAS"
+    assert KERNEL not in " ".join(kernels_run(lambda: skinny_mm(x[:2], w)))  # skinny_mm's kernel
+    small = w[:1024, :1024].contiguous()  # 1M elements: cuBLAS
+    assert KERNEL not in " ".join(kernels_run(lambda: skinny_mm(x[:, :1024].contiguous(), small)))
+    assert KERNEL not in " ".join(kernels_run(lambda: skinny_mm(torch.cat([x] * 3), w)))  # 72 rows: cuBLAS
