@@ -12,6 +12,10 @@ random weights, `generate` with a static cache (auto-compiled with torch.compile
 so prefill cancels out.
 
     python benchmarks/bench_decode.py [--models ...] [--batches 1 64] [--context 1024]
+
+`--pdl both` / `--hopper-gemm both` add A/B rows (one engine each): compilelm's kernels launched
+without programmatic dependent launch; linear layers at 3-64 rows on cuBLAS instead of the Triton
+GEMM (compilelm/ops/hopper_gemm.py).
 """
 
 from __future__ import annotations
@@ -152,9 +156,12 @@ def bench_model(name: str, args, bandwidth: float, rows: list, save) -> None:
 
     max_batch, step_tokens = max(args.batches), 8192
     base = []
-    for pdl in {"on": [True], "off": [False], "both": [False, True]}[args.pdl]:
-        # kernels launch (and graphs capture) with programmatic dependent launch or without
+    switch = {"on": [True], "off": [False], "both": [False, True]}
+    for pdl, hopper_gemm in [(p, h) for p in switch[args.pdl] for h in switch[args.hopper_gemm]]:
+        # kernels launch (and graphs capture) with programmatic dependent launch or without; linear
+        # layers at 3-64 rows on the Triton GEMM (sm_90) or on cuBLAS
         torch.ops.compilelm.set_programmatic_launch(pdl)
+        torch.ops.compilelm.set_hopper_gemm(hopper_gemm)
         t0 = time.perf_counter()
         llm = LLM(model=name, dtype="bfloat16",
                   max_model_len=args.context + decode_tokens(max_batch, args.context, args.steps, step_tokens),
@@ -167,17 +174,20 @@ def bench_model(name: str, args, bandwidth: float, rows: list, save) -> None:
         for batch in args.batches:
             ms, graph_ms = time_ours(engine, batch, args.context, args.steps)
             nbytes = step_bytes(engine.model_config, engine.model_runner.model, batch, args.context)
-            row = dict(model=name, batch=batch, context=args.context, pdl=pdl, ours_ms=ms, graph_replay_ms=graph_ms,
+            row = dict(model=name, batch=batch, context=args.context, pdl=pdl, hopper_gemm=hopper_gemm, ours_ms=ms,
+                       graph_replay_ms=graph_ms,
                        roofline_ms=nbytes / H100_BANDWIDTH * 1e3, roofline_measured_ms=nbytes / bandwidth * 1e3,
                        target_ms=TARGETS_MS.get((name, batch)), startup_s=startup, graph_mib=graph_mib)
             row["pct_of_measured_roofline"] = 100 * row["roofline_measured_ms"] / ms
-            (base if pdl else rows).append(row)  # HF is compared with the default (PDL on) rows
-            print(f"{name} batch {batch} pdl {pdl}: {ms:.3f} ms/step (graph replay {graph_ms} ms)", flush=True)
+            (base if pdl and hopper_gemm else rows).append(row)  # HF is compared with the default rows
+            print(f"{name} batch {batch} pdl {pdl} hopper_gemm {hopper_gemm}: {ms:.3f} ms/step "
+                  f"(graph replay {graph_ms} ms)", flush=True)
         save()
         del llm, engine, graphs
         gc.collect()
         torch.cuda.empty_cache()
     torch.ops.compilelm.set_programmatic_launch(True)
+    torch.ops.compilelm.set_hopper_gemm(True)
     rows.extend(base)
     save()
     if not args.no_hf:
@@ -209,6 +219,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--cache-dir", default=None, help="compile cache (default: compilelm's)")
     ap.add_argument("--pdl", choices=["on", "off", "both"], default="on",
                     help="programmatic dependent launch of compilelm's kernels (both: an A/B, one engine each)")
+    ap.add_argument("--hopper-gemm", choices=["on", "off", "both"], default="on",
+                    help="linear layers at 3-64 rows on compilelm's Triton GEMM (sm_90) or on cuBLAS (both: an A/B)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -226,8 +238,8 @@ def main(argv=None) -> dict:
             print(f"{name}: FAILED {rows[-1]['error']}", flush=True)
     path = save()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
-    print_table(rows, ["model", "batch", "pdl", "ours_ms", "graph_replay_ms", "roofline_ms", "roofline_measured_ms", "pct_of_measured_roofline",
-                       "target_ms", "hf_mode", "hf_static_compile_ms", "hf_static_eager_ms", "speedup_vs_hf"])
+    print_table(rows, ["model", "batch", "pdl", "hopper_gemm", "ours_ms", "graph_replay_ms", "roofline_ms",
+                       "roofline_measured_ms", "pct_of_measured_roofline", "target_ms", "hf_mode", "hf_static_compile_ms", "hf_static_eager_ms", "speedup_vs_hf"])
     print(f"wrote {path}")
     return payload
 

@@ -50,6 +50,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <utility>
 
 namespace compilelm {
@@ -71,6 +72,15 @@ __device__ __forceinline__ void allow_dependent_kernels() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+// Blocks of `kernel` resident on the whole GPU at once, launched with `threads` threads and `shared`
+// dynamic shared bytes (occupancy per SM x SMs, at least one per SM). Callers keep it in a static.
+template <typename... Params>
+int64_t resident_blocks(void (*kernel)(Params...), int threads, size_t shared) {
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared));
+  return static_cast<int64_t>(std::max(per_sm, 1)) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
 }
 
 // kernel<<<grid, block, shared, stream>>>(args...), with the PDL attribute where enabled, in

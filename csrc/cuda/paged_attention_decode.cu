@@ -478,14 +478,8 @@ int choose_num_splits(int64_t programs, int64_t capacity, int64_t max_context, i
 
 template <typename T, int D, int GP>
 int64_t resident_programs() {  // of the split-K (non-cluster) kernel, on the whole GPU
-  static const int64_t capacity = [] {
-    int per_sm = 0, sms = 0, device = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_sm, paged_attention_decode_kernel<T, D, GP, false, false>, kWarps * 32, 0));
-    C10_CUDA_CHECK(cudaGetDevice(&device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    return static_cast<int64_t>(std::max(per_sm, 1)) * sms;
-  }();
+  static const int64_t capacity =
+      resident_blocks(paged_attention_decode_kernel<T, D, GP, false, false>, kWarps * 32, 0);
   return capacity;
 }
 

@@ -211,13 +211,8 @@ void configure() {  // more than 48 KB of dynamic shared memory is opt-in
 template <typename T, int D>
 int64_t resident_programs() {
   static const int64_t capacity = [] {
-    configure<T, D>();
-    int per_sm = 0, sms = 0, device = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_sm, paged_attention_decode_mma_kernel<T, D>, kWarps * 32, smem_bytes<D>()));
-    C10_CUDA_CHECK(cudaGetDevice(&device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    return static_cast<int64_t>(std::max(per_sm, 1)) * sms;
+    configure<T, D>();  // (the shared-memory limit the occupancy depends on)
+    return resident_blocks(paged_attention_decode_mma_kernel<T, D>, kWarps * 32, smem_bytes<D>());
   }();
   return capacity;
 }

@@ -46,10 +46,11 @@
 // kernel of its own after the graph (~4 us at batch 1 on an H100, then the launch gap).
 //
 // More than kMaxRows rows, or layouts the kernel does not take (unaligned, strided K, mixed
-// dtypes, rows over kMaxSharedBytes), go to decode_mm: on sm_90, 3-64 rows of a large weight to
-// the Triton kernel of compilelm/ops/hopper_gemm.py (hopper_mm_out), else to cuBLAS (after the norm kernel of fused_ops.cpp for
+// dtypes, rows over kMaxSharedBytes), go to decode_mm (after the norm kernel of fused_ops.cpp for
 // the norm ops, after the SiLU-and-mul kernel for silu_mul_skinny_mm: as many kernels as the
-// unfused graph): the ops are correct for every input, the kernels are the fast path.
+// unfused graph): on sm_90, 3-64 rows of a large weight to the Triton kernel of
+// compilelm/ops/hopper_gemm.py (hopper_mm_out), else cuBLAS. The ops are correct for every input,
+// the kernels are the fast path.
 #include <ATen/ops/empty.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/mm.h>
@@ -406,13 +407,7 @@ void launch(const SkinnyParams& p, int64_t rows, const RopeCacheParams& r = {}) 
 // One wave: as many blocks as are resident at once (fewer if the columns run out first).
 template <typename T, int M>
 void launch_argmax_rows(const SkinnyParams& p, const ArgmaxSink& sink, cudaStream_t stream) {
-  static const int per_sm = [] {  // per kernel instance
-    int blocks = 0;
-    C10_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, skinny_mm_argmax_kernel<T, M>, kWarps * 32, 0));
-    return std::max(blocks, 1);
-  }();
-  const int64_t wave = static_cast<int64_t>(per_sm) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  static const int64_t wave = resident_blocks(skinny_mm_argmax_kernel<T, M>, kWarps * 32, 0);  // per instance
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>((p.n_cols + kWarps - 1) / kWarps, wave)));
   launch_kernel(skinny_mm_argmax_kernel<T, M>, grid, dim3(kWarps * 32), 0, stream, p, sink);
 }
