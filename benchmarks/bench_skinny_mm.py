@@ -1,7 +1,9 @@
 """skinny_mm (csrc/cuda/skinny_mm.cu) against cuBLAS (torch.mm) on the linear layers of
-Llama-3.1-8B and SmolLM2-135M at M = 1, 2 rows, bf16, on the GPU.
+Llama-3.1-8B and SmolLM2-135M at M = 1, 2 rows, bf16, on the GPU. With `--rows 3 16 64`: what
+skinny_mm does above 2 rows, i.e. on an H100 the Triton GEMM of compilelm/ops/hopper_gemm.py for
+the large weights (8B's layers; cuBLAS for the 135M's, where both columns time cuBLAS).
 
-    python benchmarks/bench_skinny_mm.py [--out PATH] [--iters 20]
+    python benchmarks/bench_skinny_mm.py [--out PATH] [--iters 20] [--rows 1 2]
 
 Each timing replays a CUDA graph of calls over enough distinct weight copies that the weights do
 not stay in L2 (>= 256 MB per graph), like a decode step reads them. Reported: microseconds per
