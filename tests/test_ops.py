@@ -240,7 +240,7 @@ def test_bad_inputs_raise():
         paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale, -1)
 
 
-@pytest.mark.parametrize("setting", ["set_programmatic_launch", "set_cluster_merge"])
+@pytest.mark.parametrize("setting", ["set_programmatic_launch", "set_cluster_merge", "set_decode_mma", "set_hopper_gemm"])
 def test_launch_settings_return_the_previous_setting(setting):
     """The CUDA launch settings (csrc/cuda/launch.cuh, the decode kernel's merge) are process
     state every build has."""
@@ -251,3 +251,20 @@ def test_launch_settings_return_the_previous_setting(setting):
         assert toggle(True) is True
     finally:
         toggle(previous)
+
+
+def test_hopper_mm_out_cpu_and_tile_configs():
+    """hopper_mm_out's CPU kernel is torch.mm (its Triton kernel runs on sm_90: tests/gpu); every
+    tile choice at 3-64 rows covers the rows in one tile, with the weight tile a wgmma A operand
+    (BN a multiple of 64), and its shared-memory ring fits a block's 227 KB."""
+    from compilelm.ops.hopper_gemm import tile_config
+
+    x, w = torch.randn(5, 48), torch.randn(7, 48)
+    out = torch.empty(5, 7)
+    torch.ops.compilelm.hopper_mm_out(x, w, out, True)
+    torch.testing.assert_close(out, x @ w.t(), rtol=0, atol=0)
+    for m, n in itertools.product(range(3, 65), (1024, 4096, 6144, 14336, 28672, 128256)):
+        bm, bn, bk, stages = tile_config(m, n)
+        assert m <= bm <= max(16, 2 * m) and bm in (16, 32, 64), (m, bm)
+        assert bn % 64 == 0 and bk == 128
+        assert stages * (bn + bm) * bk * 2 <= 227 * 1024, (m, n, stages, bn, bm)
