@@ -1,7 +1,8 @@
 """skinny_mm (csrc/cuda/skinny_mm.cu) against cuBLAS (torch.mm) on the linear layers of
-Llama-3.1-8B and SmolLM2-135M at M = 1, 2 rows, bf16, on the GPU. With `--rows 3 16 64`: what
-skinny_mm does above 2 rows, i.e. on an H100 the Triton GEMM of compilelm/ops/hopper_gemm.py for
-the large weights (8B's layers; cuBLAS for the 135M's, where both columns time cuBLAS).
+Llama-3.1-8B and SmolLM2-135M (and Qwen3-0.6B's LM head) at M = 1, 2 rows, bf16, on the GPU.
+With `--rows 3 16 64`: what skinny_mm does above 2 rows, i.e. on an H100 the Triton GEMM of
+compilelm/ops/hopper_gemm.py for the large weights (8B's layers, the 0.6B's LM head; cuBLAS for
+the 135M's, where both columns time cuBLAS).
 
     python benchmarks/bench_skinny_mm.py [--out PATH] [--iters 20] [--rows 1 2]
 
@@ -33,6 +34,7 @@ SHAPES = {  # name: (N, K) of the weight
     "8b.lm_head": (128256, 4096),
     "135m.qkv": (960, 576), "135m.o_proj": (576, 576), "135m.gate_up": (3072, 576), "135m.down": (576, 1536),
     "135m.lm_head": (49152, 576),
+    "0.6b.lm_head": (151936, 1024),  # Qwen3-0.6B: its only layer the Triton GEMM takes above 2 rows
 }
 WORKING_SET = 256 * 2**20  # bytes of distinct weights per timed graph
 
