@@ -74,6 +74,11 @@ if triton is not None:
         # x: [M <= 64, K]; weight: [N, K]; out: [M, N] (row stride out.stride(0)); bf16/fp16, 16-byte aligned
         # rows (the C++ caller checks)
         n, k = weight.shape
+        torch._check(1 <= x.shape[0] <= 64 and x.shape[1] == k and out.shape == (x.shape[0], n)
+                     and x.dtype == weight.dtype == out.dtype and x.dtype in (torch.bfloat16, torch.float16),
+                     lambda: f"hopper_mm_out: x [1..64, K], weight [N, K] and out [M, N], one of bf16/fp16, got "
+                             f"{tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} {weight.dtype}, "
+                             f"{tuple(out.shape)} {out.dtype}")
         bm, bn, bk, stages = tile_config(x.shape[0], n)
         x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
         w_desc = TensorDescriptor.from_tensor(weight, [bn, bk])

@@ -81,6 +81,14 @@ def test_inside_a_cuda_graph():
         assert rel_err(out, x, w) <= TOL[torch.bfloat16]
 
 
+def test_bad_inputs_raise():
+    x, w = operands(65, 4096, 2048, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="hopper_mm_out"):
+        torch.ops.compilelm.hopper_mm_out(x, w, torch.empty(65, 4096, device="cuda", dtype=torch.bfloat16), True)
+    with pytest.raises(RuntimeError, match="hopper_mm_out"):
+        torch.ops.compilelm.hopper_mm_out(x[:8], w, torch.empty(8, 4096, device="cuda"), True)  # fp32 out
+
+
 def test_opcheck():
     x, w = operands(8, 4096, 2048, torch.bfloat16)
     out = torch.empty(8, 4096, device="cuda", dtype=torch.bfloat16)
