@@ -109,6 +109,7 @@ def summary(out_dir: str) -> list[dict]:
                 add("decode", r["model"], "ERROR", r["error"][:60])
                 continue
             case = f"{r['model'].split(':')[-1]} b{r['batch']} ctx{r['context']}"
+            case += " no PDL" * (r.get("pdl") is False) + " cuBLAS" * (r.get("hopper_gemm") is False)  # A/B rows
             target = r.get("target_ms")
             add("decode", case, f"{r['ours_ms']:.3f} ms/step", f"target {target} ms; roofline {r['roofline_ms']:.3f}"
                 if target else f"roofline {r['roofline_ms']:.3f} ms", None if target is None else r["ours_ms"] <= target)

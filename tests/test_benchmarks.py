@@ -107,3 +107,17 @@ def test_startup_rows_judge_compile_capture_and_ready():
     assert warm["ready_met"] == "MISSED" and (warm["min_s"], warm["max_s"]) == (6.0, 7.2)  # 6.5 s from process start
     (other,) = startup_rows("dummy:qwen3-0.6b", runs)[1:]  # no target: judged by neither
     assert "met" not in other and other["target_s"] is None
+
+
+def test_summary_names_the_ab_rows(tmp_path):
+    """scripts/gpu_bench.sh's summary: bench_decode's A/B rows (--pdl / --hopper-gemm both) are
+    labelled, and judged against the target like the default rows."""
+    from benchmarks.common import summary
+
+    row = dict(model="dummy:llama-3.1-8b", batch=64, context=1024, roofline_ms=7.04, target_ms=8.8)
+    rows = [dict(row, pdl=True, hopper_gemm=True, ours_ms=9.2), dict(row, pdl=True, hopper_gemm=False, ours_ms=9.5),
+            dict(row, pdl=False, hopper_gemm=True, ours_ms=8.7)]
+    (tmp_path / "bench_decode.json").write_text(json.dumps({"rows": rows}))
+    got = {r["case"]: r["status"] for r in summary(str(tmp_path))}
+    assert got == {"llama-3.1-8b b64 ctx1024": "MISSED", "llama-3.1-8b b64 ctx1024 cuBLAS": "MISSED",
+                   "llama-3.1-8b b64 ctx1024 no PDL": "met"}
