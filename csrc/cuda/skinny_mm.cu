@@ -51,8 +51,8 @@
 // unfused graph): on sm_90, 3-64 rows of a large weight to the Triton kernel of
 // compilelm/ops/hopper_gemm.py (hopper_mm_out), else cuBLAS. The ops are correct for every input,
 // the kernels are the fast path.
-#include <ATen/ops/empty.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -510,7 +510,7 @@ SkinnyParams mm_params(const at::Tensor& x, const at::Tensor& weight, at::Tensor
   return p;
 }
 
-// Checks a norm op's arguments; true where its kernel takes them (else the norm kernel and cuBLAS).
+// Checks a norm op's arguments; true where its kernel takes them (else the norm kernel and decode_mm).
 bool norm_mm_fuses(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& norm_weight,
                    const at::Tensor& weight, const char* op) {
   check_mm(x, weight, op);
@@ -535,7 +535,7 @@ bool norm_mm_fuses(const at::Tensor& x, const at::Tensor* residual, const at::Te
 std::tuple<at::Tensor, at::Tensor> norm_mm(const at::Tensor& x, const at::Tensor* residual,
                                            const at::Tensor& norm_weight, double eps, const at::Tensor& weight,
                                            const char* op, const RopeCacheParams* rope = nullptr) {
-  if (!norm_mm_fuses(x, residual, norm_weight, weight, op)) {  // the norm kernel, then cuBLAS
+  if (!norm_mm_fuses(x, residual, norm_weight, weight, op)) {  // the norm kernel, then decode_mm
     if (residual == nullptr) return {decode_mm(rms_norm(x, norm_weight, eps), weight), at::Tensor()};
     auto [normed, residual_out] = fused_add_rms_norm(x, *residual, norm_weight, eps);
     return {decode_mm(normed, weight), residual_out};
