@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The GPU benchmarks on the GPU machine: build the CUDA extension (skipped when compilelm/_C for
 # this Python is already there), then bench_decode, bench_throughput, bench_compile (GPU mode),
-# bench_passes (GPU mode) and bench_attention, one after another. Each writes its JSON into $OUT
+# bench_passes (GPU mode) and bench_attention, one after another (bench_skinny_mm only when named:
+# `skinny`). Each writes its JSON into $OUT
 # (the device tool brings that folder back; else /tmp/gpu_bench) and appends its log to
 # $OUT/logs.txt (few files: the tool brings back at most 8), and is capped by a timeout; the
 # elapsed time of each is printed, and one summary table comes last. All five take ~17 minutes on
 # an H100, more than one device call may run: split them, e.g. `decode passes attention` and
 # `throughput compile`.
 #
-#   bash scripts/gpu_bench.sh [decode throughput compile passes attention]   (default: all)
+#   bash scripts/gpu_bench.sh [decode throughput compile passes attention skinny]   (default: all but skinny)
 #   QUICK=1 bash scripts/gpu_bench.sh [...]   # tiny sizes: a crash test of the script (~5 min in all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,7 +55,8 @@ if [ "$QUICK" = 1 ]; then
   passes_args=(--device cuda --tokens 1 64 --iters 10 --piece-layers 1 --layers 2 --batches 1 8 --context 64
                --steps 4 --prefill 256 --rounds 1)
   attention_args=(--batches 1 64 --contexts 512 4096 --iters 5)
-  declare -A limit=([decode]=60 [throughput]=100 [compile]=100 [passes]=120 [attention]=30)
+  skinny_args=(--rows 1 4 --iters 5)
+  declare -A limit=([decode]=60 [throughput]=100 [compile]=100 [passes]=120 [attention]=30 [skinny]=60)
 else
   # Sized from H100 runs: build ~50 s; an engine start ~35 s (135M, 30 layers) to ~60 s (8B, dummy
   # weights drawn on the host); HF generate ~25-75 ms per step, so one batch of 64 requests of the
@@ -68,8 +70,9 @@ else
   compile_args=(--device cuda)
   passes_args=(--device cuda --iters 20 --piece-layers 1 --layers 4 --steps 16 --rounds 3)
   attention_args=(--batches 1 16 64 256 --contexts 512 2048 8192 --iters 20)
+  skinny_args=(--rows 1 2 4 16 64)  # above 2 rows: the Triton GEMM on the large weights
   # (passes: ~85 s with one measurement per engine; 3 rounds in turns add ~40 measurements of ~2 s)
-  declare -A limit=([decode]=330 [throughput]=330 [compile]=220 [passes]=180 [attention]=25)
+  declare -A limit=([decode]=330 [throughput]=330 [compile]=220 [passes]=180 [attention]=25 [skinny]=90)
 fi
 
 run() {  # run NAME SCRIPT ARGS...: log to $OUT/NAME.log, JSON to $OUT/<script's name>.json
@@ -94,6 +97,7 @@ for b in "${benches[@]}"; do
     compile) run compile benchmarks/bench_compile.py bench_compile_gpu "${compile_args[@]}" ;;
     passes) run passes benchmarks/bench_passes.py bench_passes_gpu "${passes_args[@]}" ;;
     attention) run attention benchmarks/bench_attention.py bench_attention "${attention_args[@]}" ;;
+    skinny) run skinny benchmarks/bench_skinny_mm.py bench_skinny_mm "${skinny_args[@]}" ;;
     *) echo "unknown benchmark $b"; exit 2 ;;
   esac
 done
