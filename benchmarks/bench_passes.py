@@ -76,6 +76,7 @@ E2E_CASES = [  # (fusion, model, quantization, switch turned off)
     ("skinny_mm", "dummy:smollm2-135m", None, "skinny_mm"),  # (switches the skinny_mm fusions off with it)
     ("(add+) rms_norm+skinny_mm", "dummy:smollm2-135m", None, "fuse_norm_skinny_mm"),
     ("silu_mul+skinny_mm", "dummy:smollm2-135m", None, "fuse_act_skinny_mm"),
+    ("gate_up skinny_mm+silu_mul, 8B", "dummy:llama-3.1-8b", None, "fuse_act_skinny_mm"),  # (the 3-64-row epilogue)
     ("qkv projection+rope+cache write", "dummy:smollm2-135m", None, "fuse_qkv_rope"),
 ]
 

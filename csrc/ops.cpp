@@ -119,7 +119,9 @@ TORCH_LIBRARY(compilelm, m) {
   // out = x @ weight.T (x: [M <= 64, K], weight: [N, K], out: [M, N], bf16/fp16) for skinny_mm's
   // CUDA ops to call on sm_90 (3-64 rows); pdl: launch with programmatic dependent launch. Its CUDA
   // kernel is Triton's, registered by compilelm/ops/hopper_gemm.py where Triton is importable.
-  m.def("hopper_mm_out(Tensor x, Tensor weight, Tensor(a!) out, bool pdl) -> ()");
+  // silu_mul: weight = gate | up ([2I, K]), out = silu(x @ gate.T) * (x @ up.T): [M, I], with
+  // SiluAndMul's roundings of the rounded products (skinny_mm_silu_mul).
+  m.def("hopper_mm_out(Tensor x, Tensor weight, Tensor(a!) out, bool pdl, bool silu_mul=False) -> ()");
   // rms_norm(x) @ weight.T, and with residual: residual_out = x + residual;
   // (rms_norm(residual_out) @ weight.T, residual_out). norm_weight: [K]. The norm's roundings are
   // those of compilelm.layers.layernorm.rms_norm; the CUDA kernel does norm and GEMV in one pass at M <= 2.
@@ -129,6 +131,11 @@ TORCH_LIBRARY(compilelm, m) {
       "-> (Tensor, Tensor)");
   // x: [M, 2K] (gate | up) -> (silu(gate) * up) @ weight.T with SiluAndMul's roundings; weight: [N, K].
   m.def("silu_mul_skinny_mm(Tensor x, Tensor weight) -> Tensor");
+  // The other side of the MLP's activation: weight = gate_up_proj's [2I, K] (gate | up) ->
+  // silu_and_mul(x @ weight.T): [M, I], SiluAndMul's roundings of the rounded product. On CUDA one
+  // kernel at 3-64 rows where hopper_mm_out takes them (its SiLU-and-mul epilogue), else the
+  // product (skinny_mm) and the SiLU-and-mul kernel.
+  m.def("skinny_mm_silu_mul(Tensor x, Tensor weight) -> Tensor");
   // The QKV projection (rms_norm_skinny_mm / fused_add_rms_norm_skinny_mm; weight rows: q | k | v
   // heads, num_heads query heads, the cache's kv heads and head_size) followed by rope_and_cache
   // of its q | k | v: returns the rotated query [M, num_heads, head_size] (and residual_out),

@@ -256,15 +256,21 @@ def test_launch_settings_return_the_previous_setting(setting):
 def test_hopper_mm_out_cpu_and_tile_configs():
     """hopper_mm_out's CPU kernel is torch.mm (its Triton kernel runs on sm_90: tests/gpu); every
     tile choice at 3-64 rows covers the rows in one tile, with the weight tile a wgmma A operand
-    (BN a multiple of 64), and its shared-memory ring fits a block's 227 KB."""
+    (BN a multiple of 64; each half of it with the SiLU-and-mul epilogue), and its shared-memory ring
+    fits a block's 227 KB."""
     from compilelm.ops.hopper_gemm import tile_config
 
     x, w = torch.randn(5, 48), torch.randn(7, 48)
     out = torch.empty(5, 7)
     torch.ops.compilelm.hopper_mm_out(x, w, out, True)
     torch.testing.assert_close(out, x @ w.t(), rtol=0, atol=0)
-    for m, n in itertools.product(range(3, 65), (1024, 4096, 6144, 14336, 28672, 128256)):
-        bm, bn, bk, stages = tile_config(m, n)
+    w2 = torch.randn(14, 48)  # with silu_mul: gate | up rows -> silu(gate) * up
+    out = torch.empty(5, 7)
+    torch.ops.compilelm.hopper_mm_out(x, w2, out, False, True)
+    y = x @ w2.t()
+    torch.testing.assert_close(out, torch.nn.functional.silu(y[:, :7]) * y[:, 7:])
+    for m, n, silu_mul in itertools.product(range(3, 65), (1024, 4096, 6144, 14336, 28672, 128256), (False, True)):
+        bm, bn, bk, stages = tile_config(m, n, silu_mul)
         assert m <= bm <= max(16, 2 * m) and bm in (16, 32, 64), (m, bm)
-        assert bn % 64 == 0 and bk == 128
+        assert bn % (128 if silu_mul else 64) == 0 and bk == 128  # (silu_mul: two halves of >= 64)
         assert stages * (bn + bm) * bk * 2 <= 227 * 1024, (m, n, stages, bn, bm)

@@ -1,5 +1,7 @@
 """hopper_mm_out: `out = x @ weight.T` for 3-64 rows on Hopper (sm_90), the decode GEMM between
-skinny_mm's CUDA-core kernel (1-2 rows) and cuBLAS (prefill).
+skinny_mm's CUDA-core kernel (1-2 rows) and cuBLAS (prefill); with silu_mul, the MLP's gate_up
+projection and its SiLU-and-mul in one kernel: `out = silu(x @ gate.T) * (x @ up.T)`, weight =
+gate | up ([2I, K]).
 
 At 3-64 rows a linear layer is still a stream over its weight. cuBLAS reaches ~2.2-2.7 TB/s on
 Llama-3.1-8B's layers at M = 64 on an H100 (read-only streaming reaches ~3.1): its kernels are
@@ -13,6 +15,12 @@ BN 32/64/128 x stages 3/4/6 x BM 16/32/64 x split-K 1-8 x both operand orders, a
 (benchmarks/results/hopper_gemm_gpu.log): split-K never won; x as the A operand (BM = 64 rows
 always) lost up to 50% at M <= 32.
 
+The SiLU-and-mul epilogue: each block streams BN / 2 gate rows and the BN / 2 up rows that pair
+with them (two TMA loads from one descriptor, two accumulators: the same bytes per k step as a
+plain BN tile), then rounds both products to the output type and applies SiluAndMul's roundings,
+T(T(silu(gate)) * up), before one store of [M, BN / 2]. No silu_and_mul kernel after the GEMM, and
+the [M, 2I] product is never written.
+
 C++ calls this op (csrc/cuda/skinny_mm.cu, `decode_mm`) where its kernel does not take the rows
 and the weight is large enough to gain (N * K >= 8M elements, K >= 1024); `compilelm::set_hopper_gemm(False)`
 sends those calls to cuBLAS instead. The op's CUDA kernel is registered here only where Triton
@@ -21,6 +29,8 @@ with host tensor descriptors is importable; without it the C++ side uses cuBLAS.
 
 import torch
 
+from compilelm.layers.activation import SiluAndMul
+
 try:
     import triton
     import triton.language as tl
@@ -28,24 +38,30 @@ try:
 except ImportError:  # CPU builds of torch ship without Triton
     triton = None
 
+_silu_and_mul = SiluAndMul()
+
 
 @torch.library.register_kernel("compilelm::hopper_mm_out", "cpu")
-def _(x, weight, out, pdl):
-    torch.mm(x, weight.t(), out=out)
+def _(x, weight, out, pdl, silu_mul=False):
+    if silu_mul:
+        out.copy_(_silu_and_mul(torch.mm(x, weight.t())))
+    else:
+        torch.mm(x, weight.t(), out=out)
 
 
 @torch.library.register_fake("compilelm::hopper_mm_out")
-def _(x, weight, out, pdl):
+def _(x, weight, out, pdl, silu_mul=False):
     return None
 
 
-def tile_config(m: int, n: int) -> tuple[int, int, int, int]:
+def tile_config(m: int, n: int, silu_mul: bool = False) -> tuple[int, int, int, int]:
     """(BM, BN, BK, stages) for m rows of a weight with n rows. BM: m rounded up to 16/32/64 (the
     wgmma N extent: x's tile is the B operand, the weight's the A operand, so a few rows waste
     little). Best or within 1.5% on every Llama-3.1-8B layer shape at m = 3..64 on an H100. The
-    ring (stages x (BN + BM) x BK x 2 bytes) stays within the 227 KB of shared memory a block gets."""
+    ring (stages x (BN + BM) x BK x 2 bytes) stays within the 227 KB of shared memory a block gets.
+    silu_mul: BN weight rows = BN / 2 of gate and BN / 2 of up, each half at least a wgmma's 64."""
     bm = max(16, 1 << (m - 1).bit_length())
-    if n >= 16384:  # gate_up, LM head
+    if n >= 16384 or silu_mul:  # gate_up, LM head
         return bm, 128, 128, 3 if bm == 64 else 4
     return bm, 64, 128, 4 if n > 4096 else 6
 
@@ -53,34 +69,46 @@ def tile_config(m: int, n: int) -> tuple[int, int, int, int]:
 if triton is not None:
 
     @triton.jit(do_not_specialize=["M"])
-    def _hopper_mm_kernel(x_desc, w_desc, y_ptr, M, N, K, stride_ym,
-                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+    def _hopper_mm_kernel(x_desc, w_desc, y_ptr, M, N, K, stride_ym, BM: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr, STAGES: tl.constexpr, SILU_MUL: tl.constexpr):
         # x_desc: [M, K] in tiles [BM, BK] (rows past M read as zeros); w_desc: [N, K] in tiles [BN, BK]
+        # (SILU_MUL: [BN / 2, BK], and N = the output's columns I: gate rows [0, I), up rows [I, 2I))
         pid = tl.program_id(0)
         tl.extra.cuda.gdc_wait()  # x is the previous kernel's output; out may still be read by it
         tl.extra.cuda.gdc_launch_dependents()
-        acc = tl.zeros((BN, BM), tl.float32)  # out.T tile
+        TN: tl.constexpr = BN // 2 if SILU_MUL else BN  # output columns of this block
+        acc = tl.zeros((TN, BM), tl.float32)  # out.T tile (SILU_MUL: of the gate product)
+        acc_up = tl.zeros((TN if SILU_MUL else 1, BM), tl.float32)
         for k in tl.range(0, K, BK, num_stages=STAGES):
             x = x_desc.load([0, k])  # [BM, BK]
-            w = w_desc.load([pid * BN, k])  # [BN, BK]
-            acc = tl.dot(w, x.T, acc)
+            acc = tl.dot(w_desc.load([pid * TN, k]), x.T, acc)  # w: [TN, BK]
+            if SILU_MUL:
+                acc_up = tl.dot(w_desc.load([N + pid * TN, k]), x.T, acc_up)
+        out = acc.to(y_ptr.dtype.element_ty)
+        if SILU_MUL:  # SiluAndMul's roundings of the rounded products: T(T(silu(gate)) * up)
+            gate = out.to(tl.float32)
+            out = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty)
+            out = (out.to(tl.float32) * acc_up.to(y_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty)
         rm = tl.arange(0, BM)
-        rn = pid * BN + tl.arange(0, BN)
-        tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty),
-                 mask=(rm[None, :] < M) & (rn[:, None] < N))
+        rn = pid * TN + tl.arange(0, TN)
+        tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], out, mask=(rm[None, :] < M) & (rn[:, None] < N))
 
     @torch.library.register_kernel("compilelm::hopper_mm_out", "cuda")
-    def _(x, weight, out, pdl):
-        # x: [M <= 64, K]; weight: [N, K]; out: [M, N] (row stride out.stride(0)); bf16/fp16, 16-byte aligned
-        # rows (the C++ caller checks)
+    def _(x, weight, out, pdl, silu_mul=False):
+        # x: [M <= 64, K]; weight: [N, K]; out: [M, N] (silu_mul: [M, N / 2]; row stride out.stride(0));
+        # bf16/fp16, 16-byte aligned rows (the C++ caller checks)
         n, k = weight.shape
-        torch._check(1 <= x.shape[0] <= 64 and x.shape[1] == k and out.shape == (x.shape[0], n)
+        cols = n // 2 if silu_mul else n
+        torch._check(1 <= x.shape[0] <= 64 and x.shape[1] == k and out.shape == (x.shape[0], cols)
+                     and (not silu_mul or n % 2 == 0)
                      and x.dtype == weight.dtype == out.dtype and x.dtype in (torch.bfloat16, torch.float16),
-                     lambda: f"hopper_mm_out: x [1..64, K], weight [N, K] and out [M, N], one of bf16/fp16, got "
-                             f"{tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} {weight.dtype}, "
-                             f"{tuple(out.shape)} {out.dtype}")
-        bm, bn, bk, stages = tile_config(x.shape[0], n)
+                     lambda: f"hopper_mm_out: x [1..64, K], weight [N, K] and out [M, N] ([M, N / 2] with silu_mul, "
+                             f"N even), one of bf16/fp16, got {tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} "
+                             f"{weight.dtype}, {tuple(out.shape)} {out.dtype}")
+        bm, bn, bk, stages = tile_config(x.shape[0], n, silu_mul)
         x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
-        w_desc = TensorDescriptor.from_tensor(weight, [bn, bk])
-        _hopper_mm_kernel[(triton.cdiv(n, bn),)](x_desc, w_desc, out, x.shape[0], n, k, out.stride(0), BM=bm, BN=bn,
-                                                 BK=bk, STAGES=stages, num_warps=4, launch_pdl=pdl)
+        w_desc = TensorDescriptor.from_tensor(weight, [bn // 2 if silu_mul else bn, bk])
+        tn = bn // 2 if silu_mul else bn
+        _hopper_mm_kernel[(triton.cdiv(cols, tn),)](x_desc, w_desc, out, x.shape[0], cols, k, out.stride(0), BM=bm,
+                                                    BN=bn, BK=bk, STAGES=stages, SILU_MUL=silu_mul, num_warps=4,
+                                                    launch_pdl=pdl)

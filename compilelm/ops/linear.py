@@ -1,11 +1,12 @@
 """skinny_mm: `x @ weight.T` for a linear layer at one or two rows (decode at batch 1-2), alone,
-after the RMSNorm (and residual add) that feeds it, or after the MLP's SiLU-and-mul.
+after the RMSNorm (and residual add) that feeds it, after the MLP's SiLU-and-mul, or (gate_up_proj)
+before it.
 
 Schemas in csrc/ops.cpp; the CUDA kernel (csrc/cuda/skinny_mm.cu) streams the weight once with
 one warp per output column and takes M <= 2, handing larger M to cuBLAS (after the norm kernel
 for the norm ops). On CPU they are the torch compositions. `SkinnyMMPass` puts skinny_mm in place
 of the compiled graphs' linear matmuls on CUDA, `RMSNormSkinnyMMFusionPass` folds the norm before
-them in, `SiluMulSkinnyMMFusionPass` the activation before down_proj, and the LM head calls
+them in, `SiluMulSkinnyMMFusionPass` the activation into down_proj or gate_up_proj, and the LM head calls
 skinny_mm directly.
 """
 
@@ -148,3 +149,25 @@ def _(x, weight):
                  lambda: f"silu_mul_skinny_mm: x must be [M, 2K] (gate | up) and weight [N, K], got "
                          f"{tuple(x.shape)} and {tuple(weight.shape)}")
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def skinny_mm_silu_mul(x: Tensor, weight: Tensor) -> Tensor:
+    # x: [M, K]; weight: [2I, K] (gate | up) -> silu_and_mul(x @ weight.T): [M, I]
+    return torch.ops.compilelm.skinny_mm_silu_mul.default(x, weight)
+
+
+def skinny_mm_silu_mul_ref(x: Tensor, weight: Tensor) -> Tensor:
+    return _silu_and_mul(skinny_mm_ref(x, weight))
+
+
+@torch.library.register_kernel("compilelm::skinny_mm_silu_mul", "cpu")
+def _(x, weight):
+    return skinny_mm_silu_mul_ref(x, weight)
+
+
+@torch.library.register_fake("compilelm::skinny_mm_silu_mul")
+def _(x, weight):
+    torch._check(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1] and weight.shape[0] % 2 == 0,
+                 lambda: f"skinny_mm_silu_mul: x must be [M, K] and weight [2I, K] (gate | up), got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    return x.new_empty((x.shape[0], weight.shape[0] // 2))

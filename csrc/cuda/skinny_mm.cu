@@ -49,8 +49,13 @@
 // dtypes, rows over kMaxSharedBytes), go to decode_mm (after the norm kernel of fused_ops.cpp for
 // the norm ops, after the SiLU-and-mul kernel for silu_mul_skinny_mm: as many kernels as the
 // unfused graph): on sm_90, 3-64 rows of a large weight to the Triton kernel of
-// compilelm/ops/hopper_gemm.py (hopper_mm_out), else cuBLAS. The ops are correct for every input,
-// the kernels are the fast path.
+// compilelm/ops/hopper_gemm.py (hopper_mm_out), else cuBLAS. The ops are correct for every
+// input, the kernels are the fast path.
+//
+// skinny_mm_silu_mul is the MLP's other side, for intermediate sizes too large to recompute per
+// block (Llama-3.1-8B's 14336): gate_up_proj with SiLU-and-mul after it. At 3-64 rows on sm_90
+// hopper_mm_out's SiLU-and-mul epilogue does both in one kernel; elsewhere it is skinny_mm and the
+// SiLU-and-mul kernel.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
@@ -461,25 +466,30 @@ bool fast_path(const at::Tensor& x, const at::Tensor& weight) {
          aligned_rows(x) && aligned_rows(weight);
 }
 
-// compilelm::hopper_mm_out (compilelm/ops/hopper_gemm.py: Triton, TMA + wgmma, PDL) takes the rows
-// above kMaxRows up to 64 on sm_90 for weights of at least 8M elements and K >= 1024 (a few K
-// steps per block gained nothing: SmolLM2-135M's LM head), where its CUDA kernel is registered
-// (Triton importable) and set_hopper_gemm has not turned it off.
+// compilelm::hopper_mm_out (compilelm/ops/hopper_gemm.py: Triton, TMA + wgmma, PDL), looked up once.
+const c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, bool)>&
+hopper_mm_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("compilelm::hopper_mm_out", "")
+                             .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, bool)>();
+  return op;
+}
+
+// hopper_mm_out takes the rows above kMaxRows up to 64 on sm_90 for weights of at least 8M
+// elements and K >= 1024 (a few K steps per block gained nothing: SmolLM2-135M's LM head), where
+// its CUDA kernel is registered (Triton importable) and set_hopper_gemm has not turned it off.
+// out: [M, N], or [M, N / 2] for its SiLU-and-mul epilogue.
 bool hopper_mm_takes(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
   const auto dtype = x.scalar_type();
   const auto tma_rows = [](const at::Tensor& t) {  // a TMA descriptor's layout: unit stride, 16-byte rows
     return t.stride(1) == 1 && (t.stride(0) * t.element_size()) % 16 == 0 &&
            reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
   };
-  if (!hopper_gemm_enabled() || x.size(0) <= kMaxRows || x.size(0) > 64 || weight.size(1) < 1024 ||
-      weight.size(0) * weight.size(1) < (int64_t{8} << 20) || (dtype != at::kBFloat16 && dtype != at::kHalf) ||
-      out.scalar_type() != dtype || out.stride(1) != 1 || !tma_rows(x) || !tma_rows(weight) ||
-      at::cuda::getCurrentDeviceProperties()->major != 9) {
-    return false;
-  }
-  return c10::Dispatcher::singleton()
-      .findSchemaOrThrow("compilelm::hopper_mm_out", "")
-      .hasKernelForDispatchKey(c10::DispatchKey::CUDA);
+  return hopper_gemm_enabled() && x.size(0) > kMaxRows && x.size(0) <= 64 && weight.size(1) >= 1024 &&
+         weight.size(0) * weight.size(1) >= (int64_t{8} << 20) && (dtype == at::kBFloat16 || dtype == at::kHalf) &&
+         out.scalar_type() == dtype && out.stride(1) == 1 && tma_rows(x) && tma_rows(weight) &&
+         at::cuda::getCurrentDeviceProperties()->major == 9 &&
+         hopper_mm_op().hasKernelForDispatchKey(c10::DispatchKey::CUDA);
 }
 
 // x @ weight.T into out (allocated if undefined) where the kernel here does not take the rows:
@@ -487,10 +497,7 @@ bool hopper_mm_takes(const at::Tensor& x, const at::Tensor& weight, const at::Te
 at::Tensor decode_mm(const at::Tensor& x, const at::Tensor& weight, at::Tensor out = at::Tensor()) {
   if (!out.defined()) out = at::empty({x.size(0), weight.size(0)}, x.options());
   if (hopper_mm_takes(x, weight, out)) {
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("compilelm::hopper_mm_out", "")
-                               .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>();
-    op.call(x, weight, out, programmatic_launch_enabled());
+    hopper_mm_op().call(x, weight, out, programmatic_launch_enabled(), /*silu_mul=*/false);
   } else {
     at::mm_out(out, x, weight.t());
   }
@@ -510,7 +517,17 @@ SkinnyParams mm_params(const at::Tensor& x, const at::Tensor& weight, at::Tensor
   return p;
 }
 
-// Checks a norm op's arguments; true where its kernel takes them (else the norm kernel and decode_mm).
+// skinny_mm's kernel where it takes x (M <= 2), else decode_mm: the product after a fused op's
+// first kernel where its one kernel does not take the call.
+at::Tensor product(const at::Tensor& x, const at::Tensor& weight) {
+  if (!fast_path(x, weight)) return decode_mm(x, weight);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
+  dispatch<Prologue::kNone>(mm_params(x, weight, y), x.scalar_type(), x.size(0));
+  return y;
+}
+
+// Checks a norm op's arguments; true where its kernel takes them (else the norm kernel and product).
 bool norm_mm_fuses(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& norm_weight,
                    const at::Tensor& weight, const char* op) {
   check_mm(x, weight, op);
@@ -535,10 +552,10 @@ bool norm_mm_fuses(const at::Tensor& x, const at::Tensor* residual, const at::Te
 std::tuple<at::Tensor, at::Tensor> norm_mm(const at::Tensor& x, const at::Tensor* residual,
                                            const at::Tensor& norm_weight, double eps, const at::Tensor& weight,
                                            const char* op, const RopeCacheParams* rope = nullptr) {
-  if (!norm_mm_fuses(x, residual, norm_weight, weight, op)) {  // the norm kernel, then decode_mm
-    if (residual == nullptr) return {decode_mm(rms_norm(x, norm_weight, eps), weight), at::Tensor()};
+  if (!norm_mm_fuses(x, residual, norm_weight, weight, op)) {  // the norm kernel, then the product
+    if (residual == nullptr) return {product(rms_norm(x, norm_weight, eps), weight), at::Tensor()};
     auto [normed, residual_out] = fused_add_rms_norm(x, *residual, norm_weight, eps);
-    return {decode_mm(normed, weight), residual_out};
+    return {product(normed, weight), residual_out};
   }
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());  // (with rope: not written)
@@ -601,11 +618,7 @@ std::tuple<at::Tensor, at::Tensor> norm_mm_rope(const at::Tensor& x, const at::T
 
 at::Tensor skinny_mm(const at::Tensor& x, const at::Tensor& weight) {
   check_mm(x, weight, "skinny_mm");
-  if (!fast_path(x, weight)) return decode_mm(x, weight);
-  const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
-  dispatch<Prologue::kNone>(mm_params(x, weight, y), x.scalar_type(), x.size(0));
-  return y;
+  return product(x, weight);
 }
 
 void skinny_mm_out(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
@@ -667,12 +680,22 @@ at::Tensor silu_mul_skinny_mm(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "silu_mul_skinny_mm: x and weight must have one dtype, got ",
               x.scalar_type(), " and ", weight.scalar_type());
   if (!fast_path(x, weight) || x.size(0) * weight.size(1) * x.element_size() > kMaxSharedBytes) {
-    return decode_mm(silu_and_mul(x), weight);  // two kernels, as unfused
+    return product(silu_and_mul(x), weight);  // two kernels, as unfused
   }
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
   dispatch<Prologue::kSiluMul>(mm_params(x, weight, y), x.scalar_type(), x.size(0));
   return y;
+}
+
+at::Tensor skinny_mm_silu_mul(const at::Tensor& x, const at::Tensor& weight) {
+  check_mm(x, weight, "skinny_mm_silu_mul");
+  TORCH_CHECK(weight.size(0) % 2 == 0, "skinny_mm_silu_mul: weight must be [2I, K] (gate | up), got ", weight.sizes());
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty({x.size(0), weight.size(0) / 2}, x.options());
+  if (!hopper_mm_takes(x, weight, out)) return silu_and_mul(product(x, weight));  // two kernels, as unfused
+  hopper_mm_op().call(x, weight, out, programmatic_launch_enabled(), /*silu_mul=*/true);
+  return out;
 }
 
 at::Tensor rms_norm_skinny_mm_rope(const at::Tensor& x, const at::Tensor& norm_weight, double eps,

@@ -218,16 +218,67 @@ def test_silu_mul_with_other_users_wide_k_and_graphs_without_skinny_mm_are_kept(
     fusion = SiluMulSkinnyMMFusionPass()
     fusion(shared.graph)
     assert fusion.matches == 0 and skinny in targets(shared)
-    k = MAX_INTERMEDIATE + 8
+    k = MAX_INTERMEDIATE + 8  # too wide for down_proj: the activation joins gate_up_proj instead
     wide = trace_decomposed(mlp_down, [(1, 16), (2 * k, 16), (16, k)], torch.float32)
     SkinnyMMPass()(wide.graph)
     fusion = SiluMulSkinnyMMFusionPass()
     fusion(wide.graph)
-    assert fusion.matches == 0 and torch.ops.compilelm.silu_mul_skinny_mm.default not in targets(wide)
+    t = targets(wide)
+    assert fusion.matches == 1 and torch.ops.compilelm.silu_mul_skinny_mm.default not in t
+    assert t.count(torch.ops.compilelm.skinny_mm_silu_mul.default) == 1 and t.count(skinny) == 1  # down's stays
+    assert aten.silu.default not in t and aten.mul.Tensor not in t
     plain = trace_decomposed(act_shared, [(3, 32), (8, 16)], torch.float32)  # no skinny_mm in it
     fusion = SiluMulSkinnyMMFusionPass()
     fusion(plain.graph)
     assert fusion.matches == 0 and fusion._patterns is None  # not even registered
+
+
+def gate_up_act(x, w_gate_up):
+    """gate_up -> SiLU-and-mul, no down_proj after it."""
+    from compilelm.layers.activation import SiluAndMul
+    return SiluAndMul()(torch.mm(x, w_gate_up.t()))
+
+
+def gate_up_shared(x, w_gate_up):
+    """The gate_up product also feeds something else: it must stay."""
+    from compilelm.layers.activation import SiluAndMul
+    gate_up = torch.mm(x, w_gate_up.t())
+    return SiluAndMul()(gate_up), gate_up.sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_after_wide_gate_up_fuses_into_it(dtype):
+    from compilelm.passes.fuse_act_skinny_mm import MAX_INTERMEDIATE, SiluMulSkinnyMMFusionPass
+    i = MAX_INTERMEDIATE + 8
+    shapes = [(3, 16), (2 * i, 16), (16, i)]
+    gm, skinny_pass, fusion = skinny_mm_then(SiluMulSkinnyMMFusionPass(), mlp_down, shapes, dtype)
+    assert skinny_pass.matches == 2 and fusion.matches == 1
+    assert targets(gm).count(torch.ops.compilelm.skinny_mm_silu_mul.default) == 1
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    torch.testing.assert_close(gm(*args), mlp_down(*args), rtol=0, atol=0)
+    shared = trace_decomposed(gate_up_shared, [(3, 16), (2 * i, 16)], torch.float32)
+    SkinnyMMPass()(shared.graph)
+    fusion = SiluMulSkinnyMMFusionPass()
+    fusion(shared.graph)
+    assert fusion.matches == 0 and skinny in targets(shared)
+    narrow = trace_decomposed(gate_up_act, [(3, 16), (64, 16)], torch.float32)  # I = 32: down_proj's side
+    SkinnyMMPass()(narrow.graph)
+    fusion = SiluMulSkinnyMMFusionPass()
+    fusion(narrow.graph)
+    assert fusion.matches == 0 and skinny in targets(narrow)
+
+
+def test_skinny_mm_silu_mul_op_cpu_and_opcheck():
+    from compilelm.layers.activation import SiluAndMul
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 40, generator=gen, dtype=torch.bfloat16), torch.randn(14, 40, generator=gen, dtype=torch.bfloat16)
+    ops = torch.ops.compilelm
+    torch.testing.assert_close(ops.skinny_mm_silu_mul(x, w), SiluAndMul()(x @ w.t()), rtol=0, atol=0)
+    opcheck(ops.skinny_mm_silu_mul.default, (x, w))
+    with pytest.raises(RuntimeError, match="gate | up"):
+        with FakeTensorMode():
+            ops.skinny_mm_silu_mul(torch.empty(3, 40), torch.empty(7, 40))
 
 
 def test_silu_mul_skinny_mm_op_cpu_and_opcheck():

@@ -3,7 +3,8 @@ the model shapes it serves (Llama-3.1-8B's layers, SmolLM2-135M's LM head; N not
 tile, K not a multiple of 128), at 3-64 rows, in a row slice of a wider buffer and inside a CUDA
 graph; opcheck; and the routing: skinny_mm and its norm / SiLU-and-mul variants send 3-64 rows of a
 large weight to it (the profiler sees its kernel) and give cuBLAS's numbers to rounding, and
-set_hopper_gemm(False) sends them to cuBLAS."""
+set_hopper_gemm(False) sends them to cuBLAS. The SiLU-and-mul epilogue (skinny_mm_silu_mul)
+against the kernel's own product and eager SiLU-and-mul, in one kernel, and its routing."""
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from torch.library import opcheck
 
 from compilelm.ops import fused_add_rms_norm_skinny_mm, rms_norm_skinny_mm, skinny_mm, skinny_mm_out
 from compilelm.ops.hopper_gemm import triton
-from compilelm.ops.linear import silu_mul_skinny_mm
+from compilelm.ops.linear import silu_mul_skinny_mm, skinny_mm_silu_mul
 
 pytestmark = [
     pytest.mark.gpu,
@@ -127,3 +128,69 @@ def test_skinny_mm_ops_route_large_weights_here():
     small = w[:1024, :1024].contiguous()  # 1M elements: cuBLAS
     assert KERNEL not in " ".join(kernels_run(lambda: skinny_mm(x[:, :1024].contiguous(), small)))
     assert KERNEL not in " ".join(kernels_run(lambda: skinny_mm(torch.cat([x] * 3), w)))  # 72 rows: cuBLAS
+
+
+def silu_mul_unfused(x, w):
+    """The GEMM's own product [M, 2I], then eager's SiLU-and-mul (torch's F.silu(gate) * up)."""
+    gate_up = torch.empty(x.shape[0], w.shape[0], device="cuda", dtype=x.dtype)
+    torch.ops.compilelm.hopper_mm_out(x, w, gate_up, True)
+    return _silu_and_mul(gate_up)
+
+
+def _silu_and_mul(gate_up):
+    from compilelm.layers.activation import SiluAndMul
+    return SiluAndMul()(gate_up)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [3, 17, 64])
+@pytest.mark.parametrize("i, k", [(14336, 4096), (4160, 2048), (3000, 1024)])
+def test_silu_mul_epilogue_matches_unfused(dtype, m, i, k):
+    """Llama-3.1-8B's gate_up_proj, a tile-aligned and a ragged intermediate size, against the plain
+    kernel's product and eager SiLU-and-mul: the products are the same sums (same k order), the
+    epilogue's exp and division are fast-math where torch's are exact, so silu(gate) may round one
+    unit apart and the product with up then up to two (fp16 showed it), and almost no element does;
+    and against fp64 to the usual tolerance."""
+    x, w = operands(m, 2 * i, k, dtype)
+    out = torch.full((m, i), float("nan"), device="cuda", dtype=dtype)
+    torch.ops.compilelm.hopper_mm_out(x, w, out, True, True)
+    want = silu_mul_unfused(x, w)
+    diff = (out.float() - want.float()).abs()
+    units = 2 * want.float().abs() * (2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10) + 1e-6
+    assert bool((diff <= units).all()), f"{(diff > units).sum().item()} elements off by more than two units"
+    assert (diff == 0).float().mean().item() >= 0.99
+    y = x.double() @ w.double().t()
+    ref = torch.nn.functional.silu(y[:, :i]) * y[:, i:]
+    err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err <= TOL[dtype], f"relative error {err:.2e}"
+
+
+def test_skinny_mm_silu_mul_routes_and_graph_replays():
+    """3-64 rows: one kernel, the Triton one; 2 rows and set_hopper_gemm(False): the product and
+    the SiLU-and-mul kernel; inside a CUDA graph with new inputs."""
+    dtype = torch.bfloat16
+    x, w = operands(24, 2 * 14336, 4096, dtype)
+    names = kernels_run(lambda: skinny_mm_silu_mul(x, w))
+    assert len(names) == 1 and KERNEL in names[0], names
+    ours = skinny_mm_silu_mul(x, w)
+    previous = torch.ops.compilelm.set_hopper_gemm(False)
+    try:
+        names = kernels_run(lambda: skinny_mm_silu_mul(x, w))
+        theirs = skinny_mm_silu_mul(x, w)
+    finally:
+        torch.ops.compilelm.set_hopper_gemm(previous)
+    assert len(names) >= 2 and not any(KERNEL in n for n in names), names  # cuBLAS, then SiLU-and-mul
+    torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)
+    two = skinny_mm_silu_mul(x[:2], w)
+    torch.testing.assert_close(two, _silu_and_mul(x[:2] @ w.t()), rtol=2e-2, atol=2e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = skinny_mm_silu_mul(x, w)
+    for seed in (1, 2):
+        x.copy_(operands(24, 2 * 14336, 4096, dtype, seed)[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, skinny_mm_silu_mul(x, w))
+    with pytest.raises(RuntimeError, match="gate | up"):
+        skinny_mm_silu_mul(x, w[:-1])
+    opcheck(torch.ops.compilelm.skinny_mm_silu_mul.default, (x, w))
