@@ -46,10 +46,11 @@
 // kernel of its own after the graph (~4 us at batch 1 on an H100, then the launch gap).
 //
 // More than kMaxRows rows, or layouts the kernel does not take (unaligned, strided K, mixed
-// dtypes, rows over kMaxSharedBytes), go to decode_mm (after the norm kernel of fused_ops.cpp for
-// the norm ops, after the SiLU-and-mul kernel for silu_mul_skinny_mm: as many kernels as the
-// unfused graph): on sm_90, 3-64 rows of a large weight to the Triton kernel of
-// compilelm/ops/hopper_gemm.py (hopper_mm_out), else cuBLAS. The ops are correct for every
+// dtypes, rows over kMaxSharedBytes), run the norm kernel of fused_ops.cpp for the norm ops, the
+// SiLU-and-mul kernel for silu_mul_skinny_mm (as many kernels as the unfused graph), then the
+// product (`product`: this file's plain kernel where it takes the rows, else decode_mm): on sm_90,
+// 3-64 rows of a large weight to the Triton kernel of compilelm/ops/hopper_gemm.py
+// (hopper_mm_out), else cuBLAS. The ops are correct for every
 // input, the kernels are the fast path.
 //
 // skinny_mm_silu_mul is the MLP's other side, for intermediate sizes too large to recompute per
