@@ -31,7 +31,7 @@ with host tensor descriptors is importable; without it the C++ side uses cuBLAS.
 
 import torch
 
-from compilelm.layers.activation import SiluAndMul
+from compilelm.ops.linear import skinny_mm_silu_mul_ref
 
 try:
     import triton
@@ -40,13 +40,11 @@ try:
 except ImportError:  # CPU builds of torch ship without Triton
     triton = None
 
-_silu_and_mul = SiluAndMul()
-
 
 @torch.library.register_kernel("compilelm::hopper_mm_out", "cpu")
 def _(x, weight, out, pdl, silu_mul=False):
     if silu_mul:
-        out.copy_(_silu_and_mul(torch.mm(x, weight.t())))
+        out.copy_(skinny_mm_silu_mul_ref(x, weight))
     else:
         torch.mm(x, weight.t(), out=out)
 
@@ -108,9 +106,9 @@ if triton is not None:
                              f"N even), one of bf16/fp16, got {tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} "
                              f"{weight.dtype}, {tuple(out.shape)} {out.dtype}")
         bm, bn, bk, stages = tile_config(x.shape[0], n, silu_mul)
+        tn = bn // 2 if silu_mul else bn  # output columns of a block: the weight rows of one tile load
         x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
-        w_desc = TensorDescriptor.from_tensor(weight, [bn // 2 if silu_mul else bn, bk])
-        tn = bn // 2 if silu_mul else bn
+        w_desc = TensorDescriptor.from_tensor(weight, [tn, bk])
         _hopper_mm_kernel[(triton.cdiv(cols, tn),)](x_desc, w_desc, out, x.shape[0], cols, k, out.stride(0), BM=bm,
                                                     BN=bn, BK=bk, STAGES=stages, SILU_MUL=silu_mul, num_warps=4,
                                                     launch_pdl=pdl)
