@@ -21,6 +21,14 @@
 // SmolLM2-135M decode graph at batch 16 1.31 -> 1.07-1.20 ms (H100). RoPE inside (as the cluster
 // kernel's kRope) cost ~7 us a call on the H100, more than the rope_and_cache kernel it saves, and
 // was taken out again.
+//
+// The key loop is partly bound by instruction issue (ncu: 0.36 instructions a cycle per scheduler,
+// ~2 warps each): a tile that starts on a cache block's boundary (block_size a multiple of 16, as
+// the engine's 16) loads its block-table entry once and steps its rows by a fixed stride, where
+// each lane divided every row's key by block_size. H100, bench_attention (shuffled pages) batch 64
+// x 1024 keys 98.9-99.1 -> 95.9-96.1 us, 64 x 2048 194 -> 189-190 us; Llama-3.1-8B decode at
+// batch 64 9.13 -> 9.03 ms a step (results/decode_attention_block_tiles_gpu.log). Skipping the
+// rescale of O in steps that raise no row's maximum (a warp vote) gained nothing more.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -77,8 +85,28 @@ __global__ void __launch_bounds__(kWarps * 32)
   T* s_v = s_k + kStages * kTileKeys * kStride;
 
   const auto first_key = [&](int i) { return begin + (warp + i * kWarps) * kTileKeys; };  // of the warp's tile i
+  // Tiles that start on a cache block's boundary lie in one block (block_size a multiple of the
+  // tile): one block-table load per tile, and a lane's rows are its first row + a fixed stride,
+  // where the general path divides every row's key by block_size (the key loop's issue slots).
+  const bool block_tiles = p.block_size % kTileKeys == 0 && begin % kTileKeys == 0;
+  constexpr int kRowsPerPass = 32 / kChunks;  // rows of a tile one pass of the warp's lanes covers
+  const int64_t lane_offset = (lane / kChunks) * p.slot_stride + (lane % kChunks) * 8;
   const auto load_tile = [&](int i) {  // rows past `end` are zero-filled, their scores masked
     const int key0 = first_key(i), stage = i % kStages;
+    if (block_tiles) {
+      const int64_t base = static_cast<int64_t>(block_table[key0 / p.block_size]) * p.block_stride +
+                           key0 % p.block_size * p.slot_stride + lane_offset;
+#pragma unroll
+      for (int pass = 0; pass < kTileKeys / kRowsPerPass; ++pass) {
+        const int j = pass * kRowsPerPass + lane / kChunks;
+        const int64_t offset = base + static_cast<int64_t>(pass * kRowsPerPass) * p.slot_stride;
+        const int dst = (stage * kTileKeys + j) * kStride + (lane % kChunks) * 8;
+        const bool valid = key0 + j < end;
+        cp_async_16(s_k + dst, key_cache + offset, valid);
+        cp_async_16(s_v + dst, value_cache + offset, valid);
+      }
+      return;
+    }
 #pragma unroll
     for (int c = lane; c < kTileKeys * kChunks; c += 32) {
       const int j = c / kChunks, piece = c % kChunks, key = key0 + j;

@@ -68,7 +68,7 @@ def check_attention(inputs_cpu, max_query_len=0, cache_layout=lambda cache: cach
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])  # num_heads // num_kv_heads
 def test_mixed_batch(dtype, block_size, head_size, group, decode_kernel):

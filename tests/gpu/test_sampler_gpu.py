@@ -1,5 +1,5 @@
 """The CUDA greedy path (runtime/sampler.py: argmax_rows, one kernel of csrc/cuda/argmax_kernels.cu)
-picks what torch.argmax picks: random rows, ties within and across the kernel's 2048-column
+picks what torch.argmax picks: random rows, ties within and across the kernel's 2048/8192-column
 chunks, NaN, -inf rows, for the vocabularies of Llama-3 (128,256), SmolLM2 (49,152), Qwen3
 (151,936) and odd sizes; in float32, bfloat16 and float16; on rows with a stride; called again
 and replayed in a CUDA graph (the arrival counters return to zero)."""
@@ -41,6 +41,16 @@ def test_argmax_rows_is_argmax_on_cuda(vocab, rows):
 def test_argmax_rows_half_dtypes(dtype):
     x = logits(5, 49152, dtype)
     assert op(x).tolist() == x.float().argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_argmax_rows_wide_chunks_and_unaligned_rows(dtype):
+    """64 rows of Llama-3's vocabulary take 16-byte loads and 8192-column chunks; rows that start
+    off 16-byte alignment take element loads."""
+    x = logits(64, 128256, dtype)
+    assert op(x).tolist() == x.float().argmax(-1).tolist()
+    y = logits(64, 128256 + 1, dtype)[:, 1:]
+    assert op(y).tolist() == y.float().argmax(-1).tolist()
 
 
 def test_argmax_rows_strided_rows_and_opcheck():
