@@ -83,10 +83,13 @@ class AsyncLLMEngine:
     def num_seqs_in_flight(self) -> int:
         return self._num_seqs_in_flight
 
-    def shutdown(self, timeout: float = 5.0) -> None:
+    def shutdown(self, timeout: float = 5.0) -> bool:
+        """Stop the engine thread; True once it has ended. A thread still loading the model
+        (weights, compilation) cannot take the stop until it is done: it is not waited for."""
         self._commands.put(("stop",))
         if self._thread.is_alive():
-            self._thread.join(timeout)
+            self._thread.join(timeout if self._ready.is_set() else 0)
+        return not self._thread.is_alive()
 
     # -- the asyncio side ----------------------------------------------------------------------
 

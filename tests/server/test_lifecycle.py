@@ -1,5 +1,6 @@
 """Overload, shutdown and engine death: 429 with Retry-After on a full queue, SIGTERM drains
-in-flight work (or aborts it with --shutdown-timeout 0), and an exception inside the engine
+in-flight work (or aborts it with --shutdown-timeout 0; exits at once while the model still
+loads), and an exception inside the engine
 fails every request with a 500 / error event and turns /health to 503."""
 
 from __future__ import annotations
@@ -183,6 +184,30 @@ def test_health_503_while_loading_then_sigterm_drains_in_flight_requests():
             assert lines[-1] == "data: [DONE]", lines[-3:]
             chunks = [json.loads(line[6:]) for line in lines[:-1]]
             assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    finally:
+        srv.close()
+
+
+def test_sigterm_while_loading_exits_at_once():
+    """SIGTERM before the model is ready: nothing is in flight, the process exits 0 at once (it
+    used to abort, exit 134, as the interpreter ended under the engine thread inside torch)."""
+    srv = RemoteServer([DUMMY, "--max-model-len", "256", "--num-kv-blocks", "64"], wait=False)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # the port answers /health with 503 while the model loads and compiles
+            assert time.monotonic() < deadline and srv.proc.poll() is None, srv.log()
+            try:
+                if httpx.get(f"{srv.url}/health", timeout=2).status_code == 503:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(30) == 0, srv.log()
+        assert time.monotonic() - t0 < 10
+        log = srv.log()
+        assert "exiting while the model was still loading" in log and "terminate called" not in log, log[-3000:]
     finally:
         srv.close()
 

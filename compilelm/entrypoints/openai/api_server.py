@@ -3,8 +3,8 @@
 Life of the process: the socket is bound and /health answers 503 while the engine thread loads
 the model; once ready, /health is 200. SIGTERM starts a drain: /health and new requests get 503,
 in-flight requests run to the end for up to `shutdown_timeout` seconds, then whatever is left is
-aborted and the process exits 0. A dead engine keeps the process up with /health at 503 so the
-orchestrator sees it and restarts it.
+aborted and the process exits 0 (at once while the model is still loading). A dead engine keeps
+the process up with /health at 503 so the orchestrator sees it and restarts it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import sys
 import time
 
 import uvicorn
@@ -220,6 +222,15 @@ def serve_http(app, state: ServerState, host: str, port: int, shutdown_timeout: 
     try:
         asyncio.run(main())
     finally:
-        engine.shutdown()
+        stopped = engine.shutdown()
     if engine.load_error is not None:
         raise engine.load_error
+    if not stopped:
+        # SIGTERM while the engine thread still loads the model: nothing is in flight, and the
+        # interpreter's exit under a thread inside torch aborts the process ("terminate called
+        # without an active exception", exit 134), so leave at once
+        logger.info("exiting while the model was still loading")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
