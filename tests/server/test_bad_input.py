@@ -112,6 +112,24 @@ def test_bad_input_gets_openai_4xx(http, name, method, path, body, headers, stat
         assert err["param"] == param
 
 
+@pytest.mark.parametrize("body,message,param", [
+    ({"prompt": []}, "prompt: List should have at least 1 item", "prompt"),
+    ({"prompt": [[]]}, "prompt.0: List should have at least 1 item", "prompt"),
+    ({"prompt": [1, "a"]}, "prompt.1: Input should be a valid integer", "prompt"),
+    ({"prompt": "hi", "stop": [1, 2]}, "stop.0: Input should be a valid string", "stop"),
+    ({"prompt": [], "max_tokens": "x"}, "(and 1 more error)", "prompt"),
+])
+def test_a_value_matching_no_form_of_a_union_gets_the_closest_forms_error(http, body, message, param):
+    """`prompt` is a string, strings, token ids or lists of token ids: pydantic reports one error
+    per form, under tags like `constrained-str`; the message names the form the value got
+    furthest in, without the tag."""
+    r = http.post(CMPL, json=body)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert message in err["message"] and "constrained" not in err["message"], err
+    assert err["param"] == param
+
+
 def test_server_still_serves_after_bad_input(client, model_name):
     # openai-python raises BadRequestError (400) rather than retrying (it would retry a 5xx)
     import openai

@@ -65,15 +65,35 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     if not errors:
         return bad_request("invalid request")
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return bad_request(f"the request body is not valid JSON: {first.get('msg')}",
                            code="invalid_json")
-    param = loc[0] if loc else None  # the top-level field (deeper parts may be union tags)
+    first, loc, more = _most_specific(errors)
+    param = loc[0] if loc else None  # the top-level field
     msg = first.get("msg", "invalid value")
     where = f"{'.'.join(loc)}: " if loc else "request body: "
-    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    more = f" (and {more} more error{'s' if more > 1 else ''})" if more else ""
     return bad_request(f"{where}{msg}{more}", param=param)
+
+
+def _most_specific(errors: list[dict]) -> tuple[dict, list[str], int]:
+    """The error to report, its location and how many other errors there are. A value that
+    matches none of a union's forms (`prompt`: a string, strings, token ids or lists of them)
+    gets one error per form, located under a tag per form (`constrained-str`, `list[int]`):
+    report the one that got furthest (not a mismatch of the whole value's type, then the deepest)
+    and leave the tag out of its location, so `"prompt": []` reads "prompt: List should have at
+    least 1 item", not "prompt.constrained-str: Input should be a valid string"."""
+    locs = [[p for p in e.get("loc", ()) if p != "body"] for e in errors]
+    field = [i for i, loc in enumerate(locs) if loc[:1] == locs[0][:1]]
+    depth = 0  # the length of the locations' common prefix
+    while all(len(locs[i]) > depth and locs[i][depth] == locs[0][depth] for i in field):
+        depth += 1
+    tags = {locs[i][depth] for i in field if len(locs[i]) > depth}
+    if len(field) < 2 or len(tags) < 2 or not all(isinstance(t, str) for t in tags):
+        return errors[0], [str(p) for p in locs[0]], len(errors) - 1
+    best = max(field, key=lambda i: (not errors[i].get("type", "").endswith("_type"), len(locs[i]), -i))
+    loc = locs[best][:depth] + locs[best][depth + 1:]
+    return errors[best], [str(p) for p in loc], len(errors) - len(field)
 
 
 def install_error_handlers(app: FastAPI) -> None:
