@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.utils import InProcessServer, RemoteServer
+from tests.server.utils import InProcessServer, RemoteServer, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -193,15 +193,8 @@ def test_sigterm_while_loading_exits_at_once():
     used to abort, exit 134, as the interpreter ended under the engine thread inside torch)."""
     srv = RemoteServer([DUMMY, "--max-model-len", "256", "--num-kv-blocks", "64"], wait=False)
     try:
-        deadline = time.monotonic() + 120
-        while True:  # the port answers /health with 503 while the model loads and compiles
-            assert time.monotonic() < deadline and srv.proc.poll() is None, srv.log()
-            try:
-                if httpx.get(f"{srv.url}/health", timeout=2).status_code == 503:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.02)
+        # the port answers /health with 503 while the model loads and compiles
+        wait_healthy(srv.url, 120, lambda: srv.proc.poll() is None, srv.log, status=503, interval=0.02)
         t0 = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(30) == 0, srv.log()

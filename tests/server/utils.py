@@ -23,18 +23,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, timeout: float, alive=lambda: True, log=lambda: "") -> None:
+def wait_healthy(url: str, timeout: float, alive=lambda: True, log=lambda: "", status: int = 200,
+                 interval: float = 0.2) -> None:
+    """Poll /health until it answers `status` (503: the port is bound, the model still loads)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not alive():
             raise RuntimeError(f"server exited during startup:\n{log()}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=2).status_code == status:
                 return
         except httpx.TransportError:
             pass
-        time.sleep(0.2)
-    raise TimeoutError(f"server not healthy after {timeout} s:\n{log()}")
+        time.sleep(interval)
+    raise TimeoutError(f"/health never answered {status} in {timeout} s:\n{log()}")
 
 
 class RemoteServer:
