@@ -122,6 +122,13 @@ TORCH_LIBRARY(compilelm, m) {
   // silu_mul: weight = gate | up ([2I, K]), out = silu(x @ gate.T) * (x @ up.T): [M, I], with
   // SiluAndMul's roundings of the rounded products (skinny_mm_silu_mul).
   m.def("hopper_mm_out(Tensor x, Tensor weight, Tensor(a!) out, bool pdl, bool silu_mul=False) -> ()");
+  // The same for a QKV projection (weight rows: q | k | v heads) with RoPE in the epilogue: the
+  // rotated query to q_out ([M, num_heads, head_size] contiguous), the rotated key and the value to
+  // their slots of the (contiguous) caches, as rope_and_cache would write them; head_size a
+  // multiple of 64. Called by the *_skinny_mm_rope ops below.
+  m.def(
+      "hopper_mm_rope_out(Tensor x, Tensor weight, Tensor positions, Tensor cos_sin_cache, Tensor(a!) key_cache, "
+      "Tensor(b!) value_cache, Tensor slot_mapping, Tensor(c!) q_out, bool pdl) -> ()");
   // rms_norm(x) @ weight.T, and with residual: residual_out = x + residual;
   // (rms_norm(residual_out) @ weight.T, residual_out). norm_weight: [K]. The norm's roundings are
   // those of compilelm.layers.layernorm.rms_norm; the CUDA kernel does norm and GEMV in one pass at M <= 2.
@@ -136,10 +143,14 @@ TORCH_LIBRARY(compilelm, m) {
   // kernel at 3-64 rows where hopper_mm_out takes them (its SiLU-and-mul epilogue), else the
   // product (skinny_mm) and the SiLU-and-mul kernel.
   m.def("skinny_mm_silu_mul(Tensor x, Tensor weight) -> Tensor");
-  // The QKV projection (rms_norm_skinny_mm / fused_add_rms_norm_skinny_mm; weight rows: q | k | v
-  // heads, num_heads query heads, the cache's kv heads and head_size) followed by rope_and_cache
-  // of its q | k | v: returns the rotated query [M, num_heads, head_size] (and residual_out),
-  // writes the rotated key and the value to their cache slots. One kernel on CUDA at M <= 2.
+  // The QKV projection (skinny_mm / rms_norm_skinny_mm / fused_add_rms_norm_skinny_mm; weight
+  // rows: q | k | v heads, num_heads query heads, the cache's kv heads and head_size) followed by
+  // rope_and_cache of its q | k | v: returns the rotated query [M, num_heads, head_size] (and
+  // residual_out), writes the rotated key and the value to their cache slots. On CUDA one kernel
+  // at M <= 2, and at 3-64 rows (after the norm kernel) hopper_mm_rope_out where it takes them.
+  m.def(
+      "skinny_mm_rope(Tensor x, Tensor weight, Tensor positions, Tensor cos_sin_cache, Tensor(a!) key_cache, "
+      "Tensor(b!) value_cache, Tensor slot_mapping, int num_heads) -> Tensor");
   m.def(
       "rms_norm_skinny_mm_rope(Tensor x, Tensor norm_weight, float eps, Tensor weight, Tensor positions, "
       "Tensor cos_sin_cache, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, int num_heads) "

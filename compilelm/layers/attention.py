@@ -113,15 +113,14 @@ def unified_attention_qknorm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                layer_name)
 
 
-# Small models (query width <= SMALL_QUERY_WIDTH) keep RoPE out of the attention kernel (csrc:
-# kSmallModelQueryWidth): `RopeAttentionFusionPass` rewrites their rope(q, k) -> unified_attention
-# to `rope_cache` (RoPE + the KV-cache write, inside the piece before the split) and
-# `unified_attention_rotated` (the splitting op), and at decode sizes on CUDA the projection
-# before it takes the rope in (`QKVRopeFusionPass`: `rms_norm_qkv_rope`). The ops inside the
-# pieces write the cache of the next attention layer (ForwardContext.next_kv_cache): no layer
-# name in them, so that the layers' pieces stay alike (compiled once). Their outputs are
-# contiguous [num_tokens, num_heads * head_dim], as the fakes say (new_empty).
-SMALL_QUERY_WIDTH = 1024
+# With `passes.fuse_qkv_rope`, RoPE stays out of the attention kernel: `RopeAttentionFusionPass`
+# rewrites rope(q, k) -> unified_attention to `rope_cache` (RoPE + the KV-cache write, inside the
+# piece before the split) and `unified_attention_rotated` (the splitting op), and on CUDA the QKV
+# projection before it takes the rope in (`QKVRopeFusionPass`: `qkv_rope`, `rms_norm_qkv_rope`,
+# `fused_add_rms_norm_qkv_rope`). The ops inside the pieces write the cache of the next attention
+# layer (ForwardContext.next_kv_cache): no layer name in them, so that the layers' pieces stay
+# alike (compiled once). Their outputs are contiguous [num_tokens, num_heads * head_dim], as the
+# fakes say (new_empty).
 
 
 def _query_fake(q, *args):
@@ -147,12 +146,23 @@ def unified_attention_rotated(q: torch.Tensor, layer_name: str) -> torch.Tensor:
     return _attend(ctx, q, *ctx.kv_caches[layer_name])
 
 
-def _qkv_rope_fake(x, norm_weight, eps, weight, positions, cos_sin_cache, num_heads):
-    return x.new_empty((x.shape[0], num_heads * cos_sin_cache.shape[1]))
+def _qkv_rope_fake(x, *args):  # args end with (cos_sin_cache, num_heads)
+    return x.new_empty((x.shape[0], args[-1] * args[-2].shape[1]))
 
 
 def _add_qkv_rope_fake(x, residual, *args):
     return _qkv_rope_fake(x, *args), x.new_empty(x.shape)
+
+
+@_define("qkv_rope(Tensor x, Tensor weight, Tensor positions, Tensor cos_sin_cache, int num_heads) -> Tensor",
+         _qkv_rope_fake)
+def qkv_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+             num_heads: int) -> torch.Tensor:
+    # rope_cache of the q | k | v of x @ weight.T -> rotated q [num_tokens, num_heads * head_dim]
+    ctx = get_forward_context()
+    q = ops.skinny_mm_rope(x, weight, positions, cos_sin_cache, *ctx.next_kv_cache(), ctx.attn_metadata.slot_mapping,
+                           num_heads)
+    return q.view(x.shape[0], -1)
 
 
 @_define("rms_norm_qkv_rope(Tensor x, Tensor norm_weight, float eps, Tensor weight, Tensor positions, "

@@ -34,10 +34,11 @@ from compilelm.ops.norm import fused_add_rms_norm, fused_add_rms_norm_ref  # noq
 from compilelm.ops.rope_cache import (  # noqa: E402
     fused_add_rms_norm_skinny_mm_rope, fused_add_rms_norm_skinny_mm_rope_ref, rms_norm_skinny_mm_rope,
     rms_norm_skinny_mm_rope_ref, rope_and_cache, rope_and_cache_ref, rope_paged_attention, rope_paged_attention_ref,
+    skinny_mm_rope, skinny_mm_rope_ref,
 )
 from compilelm.ops.sampling import argmax_rows, argmax_rows_ref  # noqa: E402
 from compilelm.ops import quant  # noqa: E402, F401  (registers the fp8 ops' CPU and fake impls)
-from compilelm.ops import hopper_gemm  # noqa: E402, F401  (hopper_mm_out's Triton kernel, CPU and fake impls)
+from compilelm.ops import hopper_gemm  # noqa: E402, F401  (the hopper_mm ops' Triton kernels, CPU and fake impls)
 
 __all__ = ["argmax_rows", "argmax_rows_ref", "fused_add_rms_norm", "fused_add_rms_norm_ref", "fused_add_rms_norm_skinny_mm",
            "fused_add_rms_norm_skinny_mm_rope", "fused_add_rms_norm_skinny_mm_rope_ref",
@@ -45,4 +46,4 @@ __all__ = ["argmax_rows", "argmax_rows_ref", "fused_add_rms_norm", "fused_add_rm
            "reshape_and_cache_ref", "rms_norm_skinny_mm", "rms_norm_skinny_mm_ref",
            "rms_norm_skinny_mm_rope", "rms_norm_skinny_mm_rope_ref", "rope_and_cache",
            "rope_and_cache_ref", "rope_paged_attention", "rope_paged_attention_ref", "skinny_mm", "skinny_mm_argmax_out",
-           "skinny_mm_out", "skinny_mm_ref"]
+           "skinny_mm_out", "skinny_mm_ref", "skinny_mm_rope", "skinny_mm_rope_ref"]

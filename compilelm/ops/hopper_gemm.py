@@ -23,6 +23,16 @@ the [M, 2I] product is never written. On an H100 (Llama-3.1-8B's gate_up, L2 col
 takes as long as the plain GEMM: 80.8 us at M = 16, 84.2 us at M = 64, ~2.8-2.9 TB/s; neither 8
 warps nor BK 64 nor other stage counts did better (results/hopper_silu_epilogue_sweep_543296e.json).
 
+The RoPE epilogue (hopper_mm_rope_out): a QKV projection, weight rows q | k | v heads, whose blocks
+rotate their own output and write it where rope_and_cache would: the rotated query to q_out, the
+rotated key and the value to their cache slots; the [M, N] product is never written. RoPE pairs
+dimension j of a head with j + D/2, 64 rows apart, so each block reads its weight through a 3-D
+TMA view [2 * heads, D / 2, K] in boxes [2, 32, BK]: the 32 pairs j..j+31 of one head, 64 rows.
+Triton gives the reshaped box to wgmma from registers (a load from shared memory per k step) and
+still streams as fast as the plain kernel; the epilogue rounds as rope_and_cache's kernel does
+(bit-identical). On an H100, 8 Llama-3.1-8B decode layers at batch 64: 272.3 -> 269.1 us a layer
+against the plain kernel then rope_and_cache (benchmarks/results/qkv_rope_hopper_gpu.log).
+
 C++ calls this op (csrc/cuda/skinny_mm.cu: `decode_mm`, and skinny_mm_silu_mul with silu_mul) where its kernel does not take the rows
 and the weight is large enough to gain (N * K >= 8M elements, K >= 1024); `compilelm::set_hopper_gemm(False)`
 sends those calls to cuBLAS instead. The op's CUDA kernel is registered here only where Triton
@@ -32,6 +42,7 @@ with host tensor descriptors is importable; without it the C++ side uses cuBLAS.
 import torch
 
 from compilelm.ops.linear import skinny_mm_silu_mul_ref
+from compilelm.ops.rope_cache import skinny_mm_rope_ref
 
 try:
     import triton
@@ -52,6 +63,20 @@ def _(x, weight, out, pdl, silu_mul=False):
 @torch.library.register_fake("compilelm::hopper_mm_out")
 def _(x, weight, out, pdl, silu_mul=False):
     return None
+
+
+@torch.library.register_kernel("compilelm::hopper_mm_rope_out", "cpu")
+def _(x, weight, positions, cos_sin_cache, key_cache, value_cache, slot_mapping, q_out, pdl):
+    q_out.copy_(skinny_mm_rope_ref(x, weight, positions, cos_sin_cache, key_cache, value_cache, slot_mapping,
+                                   q_out.shape[1]))
+
+
+@torch.library.register_fake("compilelm::hopper_mm_rope_out")
+def _(x, weight, positions, cos_sin_cache, key_cache, value_cache, slot_mapping, q_out, pdl):
+    return None
+
+
+ROPE_PAIRS = 32  # rotation pairs per block of the RoPE epilogue: 64 weight rows
 
 
 def tile_config(m: int, n: int, silu_mul: bool = False) -> tuple[int, int, int, int]:
@@ -112,3 +137,69 @@ if triton is not None:
         _hopper_mm_kernel[(triton.cdiv(cols, tn),)](x_desc, w_desc, out, x.shape[0], cols, k, out.stride(0), BM=bm,
                                                     BN=bn, BK=bk, STAGES=stages, SILU_MUL=silu_mul, num_warps=4,
                                                     launch_pdl=pdl)
+
+    @triton.jit(do_not_specialize=["M", "num_slots"])
+    def _hopper_mm_rope_kernel(x_desc, w_desc, pos_ptr, cs_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, M, K, num_slots,
+                               NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+                               BK: tl.constexpr, STAGES: tl.constexpr, P: tl.constexpr):
+        # x_desc: [M, K] in tiles [BM, BK]; w_desc: the weight as [2 * heads, D / 2, K] in boxes [2, P, BK]
+        # (heads = NUM_HEADS + 2 * NUM_KV: q | k | v); block b: head b // (D / 2 / P), pairs j = b % (D / 2 / P)
+        pid = tl.program_id(0)
+        head = pid // (D // 2 // P)
+        first = (pid % (D // 2 // P)) * P
+        dim = first + tl.arange(0, P)  # [P]: the first dims of the block's pairs
+        rm = tl.arange(0, BM)
+        # the step's positions, slots and cos/sin (rounded to x's type, as apply_rope): no kernel's output
+        pos = tl.load(pos_ptr + rm, mask=rm < M, other=0)
+        slot = tl.load(slot_ptr + rm, mask=rm < M, other=-1)
+        cs = cs_ptr + pos[None, :] * D + dim[:, None]  # [P, BM]
+        cos = tl.load(cs).to(x_desc.dtype).to(tl.float32)
+        sin = tl.load(cs + D // 2).to(x_desc.dtype).to(tl.float32)
+        tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
+        tl.extra.cuda.gdc_launch_dependents()
+        acc = tl.zeros((2 * P, BM), tl.float32)  # rows: dims `dim` of the head, then dims `dim` + D/2
+        for k in tl.range(0, K, BK, num_stages=STAGES):
+            w = w_desc.load([2 * head, first, k]).reshape(2 * P, BK)  # [2P, BK]
+            acc = tl.dot(w, x_desc.load([0, k]).T, acc)
+        out = acc.to(x_desc.dtype).to(tl.float32)  # the projection's rounding
+        lo, hi = tl.split(tl.permute(out.reshape(2, P, BM), (1, 2, 0)))  # [P, BM]: dims j, j + D/2
+        if head < NUM_HEADS + NUM_KV:  # q or k: rotated in fp32, rounded once (rope_and_cache's kernel)
+            lo, hi = lo * cos - hi * sin, hi * cos + lo * sin
+        rows = rm[None, :] < M
+        if head < NUM_HEADS:
+            dst = q_ptr + rm[None, :] * (NUM_HEADS * D) + head * D + dim[:, None]
+        else:  # the key or value row of the token's slot; slots outside [0, num_slots) (-1: padding) skip
+            rows = rows & (slot[None, :] >= 0) & (slot[None, :] < num_slots)
+            at = (slot[None, :] * NUM_KV + (head - NUM_HEADS) % NUM_KV) * D + dim[:, None]
+            if head < NUM_HEADS + NUM_KV:
+                dst = kc_ptr + at
+            else:
+                dst = vc_ptr + at
+        tl.store(dst, lo.to(x_desc.dtype), mask=rows)
+        tl.store(dst + D // 2, hi.to(x_desc.dtype), mask=rows)
+
+    @torch.library.register_kernel("compilelm::hopper_mm_rope_out", "cuda")
+    def _(x, weight, positions, cos_sin_cache, key_cache, value_cache, slot_mapping, q_out, pdl):
+        # x: [M <= 64, K]; weight: [(H + 2 KVH) * D, K] (q | k | v heads); key_cache, value_cache: contiguous
+        # [blocks, block_size, KVH, D]; q_out: [M, H, D] contiguous; D a multiple of 64 (the C++ caller checks)
+        m, k = x.shape
+        num_kv, d = key_cache.shape[2], key_cache.shape[3]
+        heads = q_out.shape[1] + 2 * num_kv
+        torch._check(1 <= m <= 64 and d % (2 * ROPE_PAIRS) == 0 and weight.shape == (heads * d, k)
+                     and q_out.shape == (m, heads - 2 * num_kv, d) and q_out.is_contiguous()
+                     and key_cache.is_contiguous() and value_cache.is_contiguous()
+                     and x.dtype == weight.dtype == q_out.dtype == key_cache.dtype
+                     and x.dtype in (torch.bfloat16, torch.float16),
+                     lambda: f"hopper_mm_rope_out: x [1..64, K], weight [(H + 2 KVH) * D, K], q_out [M, H, D] and "
+                             f"contiguous caches [blocks, block_size, KVH, D] (D a multiple of 64), one of bf16/fp16; "
+                             f"got {tuple(x.shape)} {x.dtype}, {tuple(weight.shape)}, {tuple(q_out.shape)}, "
+                             f"{tuple(key_cache.shape)} {key_cache.dtype}")
+        bm, _, bk, stages = tile_config(m, weight.shape[0])  # (a 64-row box: the ring fits at any N)
+        x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
+        row = weight.stride(0)
+        w_desc = TensorDescriptor(weight, [2 * heads, d // 2, k], [d // 2 * row, row, 1], [2, ROPE_PAIRS, bk])
+        num_slots = key_cache.shape[0] * key_cache.shape[1]
+        _hopper_mm_rope_kernel[(heads * (d // 2 // ROPE_PAIRS),)](
+            x_desc, w_desc, positions, cos_sin_cache, slot_mapping, q_out, key_cache, value_cache, m, k, num_slots,
+            NUM_HEADS=heads - 2 * num_kv, NUM_KV=num_kv, D=d, BM=bm, BK=bk, STAGES=stages, P=ROPE_PAIRS,
+            num_warps=4, launch_pdl=pdl)

@@ -10,9 +10,12 @@ rope_paged_attention: rope_and_cache (no QK-norm) and then paged_attention of th
 as one op: on CUDA a pure-decode batch runs as ONE kernel (csrc/cuda/paged_attention_decode.cu,
 kRope), where the decode kernel rotates the query and the new key itself; elsewhere the two ops.
 
-rms_norm_skinny_mm_rope / fused_add_rms_norm_skinny_mm_rope: a small model's QKV projection
-(compilelm.ops.linear's norm + skinny_mm ops) followed by rope_and_cache of its q | k | v: on
-CUDA at M <= 2 one kernel (csrc/cuda/skinny_mm.cu, kRope), elsewhere the two ops.
+skinny_mm_rope / rms_norm_skinny_mm_rope / fused_add_rms_norm_skinny_mm_rope: a QKV projection
+(compilelm.ops.linear's skinny_mm, or its norm + skinny_mm ops) followed by rope_and_cache of its
+q | k | v. On CUDA one kernel at M <= 2 (csrc/cuda/skinny_mm.cu, kRope; the norm variants where
+the norm fuses), and at 3-64 rows on sm_90 the norm kernel (if any) then hopper_mm_rope_out
+(compilelm/ops/hopper_gemm.py: the Hopper GEMM with RoPE in its epilogue) where it takes the
+weight; elsewhere the ops one after another.
 """
 
 import torch
@@ -108,6 +111,20 @@ def _(positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_
     return query.new_empty(query.shape)
 
 
+def skinny_mm_rope(
+    x: Tensor,  # [M, K]
+    weight: Tensor,  # [(num_heads + 2 * num_kv_heads) * head_size, K]: q | k | v rows
+    positions: Tensor,  # int64 [M]
+    cos_sin_cache: Tensor,  # [max_position, head_size]
+    key_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size], written in place
+    value_cache: Tensor,  # written in place
+    slot_mapping: Tensor,  # int64 [M]; -1 skips
+    num_heads: int,
+) -> Tensor:  # rotated query, [M, num_heads, head_size] contiguous
+    return torch.ops.compilelm.skinny_mm_rope.default(x, weight, positions, cos_sin_cache, key_cache, value_cache,
+                                                      slot_mapping, num_heads)
+
+
 def rms_norm_skinny_mm_rope(
     x: Tensor,  # [M, K]
     norm_weight: Tensor,  # [K]
@@ -140,6 +157,11 @@ def _rope_qkv_ref(qkv, positions, cos_sin_cache, key_cache, value_cache, slot_ma
     return rope_and_cache_ref(positions, q, k, v, cos_sin_cache, None, None, 0.0, key_cache, value_cache, slot_mapping)
 
 
+def skinny_mm_rope_ref(x, weight, positions, cos_sin_cache, key_cache, value_cache, slot_mapping,
+                       num_heads) -> Tensor:
+    return _rope_qkv_ref(x @ weight.t(), positions, cos_sin_cache, key_cache, value_cache, slot_mapping, num_heads)
+
+
 def rms_norm_skinny_mm_rope_ref(x, norm_weight, eps, weight, positions, cos_sin_cache, key_cache, value_cache,
                                 slot_mapping, num_heads) -> Tensor:
     return _rope_qkv_ref(rms_norm_skinny_mm_ref(x, norm_weight, eps, weight), positions, cos_sin_cache, key_cache,
@@ -152,6 +174,7 @@ def fused_add_rms_norm_skinny_mm_rope_ref(x, residual, norm_weight, eps, weight,
     return _rope_qkv_ref(qkv, positions, cos_sin_cache, key_cache, value_cache, slot_mapping, num_heads), residual
 
 
+torch.library.register_kernel("compilelm::skinny_mm_rope", "cpu", skinny_mm_rope_ref)
 torch.library.register_kernel("compilelm::rms_norm_skinny_mm_rope", "cpu", rms_norm_skinny_mm_rope_ref)
 torch.library.register_kernel("compilelm::fused_add_rms_norm_skinny_mm_rope", "cpu",
                               fused_add_rms_norm_skinny_mm_rope_ref)
@@ -163,6 +186,11 @@ def _rope_query_fake(x, weight, key_cache, num_heads):
                  lambda: f"the QKV weight must be [(num_heads + 2 * num_kv_heads) * head_size, K], got "
                          f"{tuple(weight.shape)} with num_heads {num_heads} and a cache {tuple(key_cache.shape)}")
     return x.new_empty((x.shape[0], num_heads, head_size))
+
+
+@torch.library.register_fake("compilelm::skinny_mm_rope")
+def _(x, weight, positions, cos_sin_cache, key_cache, value_cache, slot_mapping, num_heads):
+    return _rope_query_fake(x, weight, key_cache, num_heads)
 
 
 @torch.library.register_fake("compilelm::rms_norm_skinny_mm_rope")

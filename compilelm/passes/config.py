@@ -24,7 +24,7 @@ class PassConfig:
     skinny_mm: bool = True  # SkinnyMMPass (CUDA): a linear's mm -> compilelm.skinny_mm (weight streamed at M <= 2)
     fuse_norm_skinny_mm: bool = True  # RMSNormSkinnyMMFusionPass (CUDA): (add +) rms_norm + skinny_mm -> one op
     fuse_act_skinny_mm: bool = True  # SiluMulSkinnyMMFusionPass (CUDA): silu_and_mul + skinny_mm -> one op
-    fuse_qkv_rope: bool = True  # QKVRopeFusionPass (CUDA, query width <= 1024): QKV projection + RoPE + cache write -> one op
+    fuse_qkv_rope: bool = True  # QKVRopeFusionPass (CUDA): QKV projection + RoPE + cache write -> one op
 
     def __post_init__(self):
         for f in fields(self):

@@ -1,14 +1,17 @@
 """QKV projection + RoPE + KV-cache write -> one op (CUDA, post-grad, per piece).
 
-In a small model (query width <= SMALL_QUERY_WIDTH) `RopeAttentionFusionPass` leaves RoPE and
-the KV-cache write in the piece before the attention op, as `compilelm.rope_cache`. Where its
-q, k and v are the three parts of a normed QKV projection (`RMSNormSkinnyMMFusionPass`'s ops),
-the rotation moves into the projection's kernel: at decode sizes (M <= 2) its blocks compute the
-rotation pairs of a head and write the rotated query, and the key and value rows to their cache
-slots (csrc/cuda/skinny_mm.cu, kRope): one kernel per layer fewer, and decode attention, launched
-next, starts while the projection runs. For more rows the op runs the projection, then
-rope_and_cache, as the graph before. On an H100, SmolLM2-135M batch 1 (context 1024): decode
-graph 0.591-0.599 -> 0.566-0.571 ms (benchmarks/results/qkv_rope_fusion_ab_gpu.log).
+With this pass on, `RopeAttentionFusionPass` leaves RoPE and the KV-cache write in the piece
+before the attention op, as `compilelm.rope_cache`. Where its q, k and v are the three parts of
+a QKV projection (skinny_mm, or `RMSNormSkinnyMMFusionPass`'s normed ops), the rotation moves
+into the projection's kernel: at decode sizes (M <= 2) its blocks compute the rotation pairs of
+a head and write the rotated query, and the key and value rows to their cache slots
+(csrc/cuda/skinny_mm.cu, kRope); at 3-64 rows on an H100 the Hopper GEMM does the same in its
+epilogue (compilelm/ops/hopper_gemm.py, hopper_mm_rope_out). One kernel per layer fewer, and
+decode attention, launched next, starts while the projection runs. For more rows the op runs
+the projection, then rope_and_cache, as the graph before. On an H100: SmolLM2-135M batch 1
+(context 1024) decode graph 0.591-0.599 -> 0.566-0.571 ms (benchmarks/results/
+qkv_rope_fusion_ab_gpu.log); 8 Llama-3.1-8B layers at batch 64, 272.3 -> 269.1 us a layer
+(benchmarks/results/qkv_rope_hopper_gpu.log).
 
     before (one layer, bf16)                               after
     f = compilelm.fused_add_rms_norm_skinny_mm(            f = compilelm.fused_add_rms_norm_qkv_rope(
@@ -18,8 +21,9 @@ graph 0.591-0.599 -> 0.566-0.571 ms (benchmarks/results/qkv_rope_fusion_ab_gpu.l
     rotated = compilelm.rope_cache(split[0], split[1], split[2],
             positions, cos_sin_cache, 64)
 
-and the first layer's `rms_norm_skinny_mm` -> `compilelm.rms_norm_qkv_rope`. Neither op names its
-layer: both write the cache of the next attention layer (ForwardContext.next_kv_cache), so every
+the first layer's `rms_norm_skinny_mm` -> `compilelm.rms_norm_qkv_rope`, and a plain
+`skinny_mm(x, w_qkv)` (a model too wide for the norm to fuse: Llama-3.1-8B) -> `compilelm.qkv_rope(
+x, w_qkv, positions, cos_sin_cache, num_heads)`. No such op names its layer: both write the cache of the next attention layer (ForwardContext.next_kv_cache), so every
 layer's piece stays the same code, compiled once. The rewrite is a walk over the rope_cache
 nodes rather than a pattern: the split sizes (the head counts) vary from model to model.
 """
@@ -36,7 +40,9 @@ from compilelm.passes.verify import STAND_INS
 
 ops = torch.ops.compilelm
 aten = torch.ops.aten
-NORM_MM_OPS = (ops.rms_norm_skinny_mm.default, ops.fused_add_rms_norm_skinny_mm.default)
+FUSED = {ops.skinny_mm.default: ops.qkv_rope.default,  # projection op -> the op with RoPE
+         ops.rms_norm_skinny_mm.default: ops.rms_norm_qkv_rope.default,
+         ops.fused_add_rms_norm_skinny_mm.default: ops.fused_add_rms_norm_qkv_rope.default}
 
 
 class QKVRopeFusionPass(CompilePass):
@@ -61,9 +67,9 @@ def _fuse(graph: torch.fx.Graph, rope_cache: torch.fx.Node) -> int:
     y, sizes, *dim = split.args
     if len(split.users) != 3 or dim not in ([-1], [1]) or len(y.users) != 1 or not isinstance(head_dim, int):
         return 0
-    if y.target in NORM_MM_OPS:  # rms_norm_skinny_mm: y is the projection
+    if y.target in FUSED:  # skinny_mm, rms_norm_skinny_mm: y is the projection
         proj, residual_out = y, None
-    elif y.target is operator.getitem and y.args[1] == 0 and y.args[0].target in NORM_MM_OPS:
+    elif y.target is operator.getitem and y.args[1] == 0 and y.args[0].target in FUSED:
         proj = y.args[0]  # fused_add_rms_norm_skinny_mm: y = proj[0], proj[1] = residual_out
         outs = {u.args[1]: u for u in proj.users}
         if set(outs) - {0, 1}:
@@ -73,8 +79,7 @@ def _fuse(graph: torch.fx.Graph, rope_cache: torch.fx.Node) -> int:
         return 0
     if sizes[0] % head_dim or sizes[1] != sizes[2]:
         return 0
-    target = (ops.rms_norm_qkv_rope.default if proj.target == ops.rms_norm_skinny_mm.default
-              else ops.fused_add_rms_norm_qkv_rope.default)
+    target = FUSED[proj.target]
     with graph.inserting_after(proj):  # where the projection was: before every user of its residual
         fused = graph.call_function(target, (*proj.args, positions, cos_sin_cache, sizes[0] // head_dim))
     # only the values: other metadata (Inductor's eager_input_vals) describes the old ops' arguments
@@ -103,8 +108,10 @@ def _stand_in(x, *args):
     *proj_args, positions, cos_sin_cache, num_heads = args
     if len(proj_args) == 4:
         qkv, residual_out = ops.fused_add_rms_norm_skinny_mm(x, *proj_args)
-    else:
+    elif len(proj_args) == 3:
         qkv, residual_out = ops.rms_norm_skinny_mm(x, *proj_args), None
+    else:
+        qkv, residual_out = ops.skinny_mm(x, *proj_args), None
     head_dim = cos_sin_cache.shape[1]
     kv = (qkv.shape[1] - num_heads * head_dim) // 2
     q, k, v = qkv.split([num_heads * head_dim, kv, kv], dim=-1)
@@ -112,5 +119,6 @@ def _stand_in(x, *args):
     return rotated if residual_out is None else (rotated, residual_out)
 
 
+STAND_INS["compilelm::qkv_rope"] = _stand_in
 STAND_INS["compilelm::rms_norm_qkv_rope"] = _stand_in
 STAND_INS["compilelm::fused_add_rms_norm_qkv_rope"] = _stand_in

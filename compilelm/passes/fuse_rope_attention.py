@@ -13,13 +13,13 @@ math is gone from the pieces. Before (one layer, fp32, as the aten graph shows i
     ... the same for k ...
     attn: "f32[s72, 576]" = compilelm.unified_attention(view(cat), view(cat_1), v, 'model.layers.0.self_attn.attn')
 
-After (a model wider than SMALL_QUERY_WIDTH, or any with `passes.fuse_qkv_rope` off):
+After (with `passes.fuse_qkv_rope` off):
 
     attn: "f32[s72, 576]" = compilelm.unified_attention_rope(q, k, v, positions, cos_sin_cache, 64, 'model.layers.0.self_attn.attn')
 
-and with `passes.fuse_qkv_rope` (the default at -O2), a model up to SMALL_QUERY_WIDTH wide (this
-SmolLM2-135M layer: 576) keeps RoPE and the KV-cache write in the piece before the split, one op
-that the QKV projection takes in on CUDA (`QKVRopeFusionPass`):
+and with `passes.fuse_qkv_rope` (the default at -O2) RoPE and the KV-cache write stay in the
+piece before the split (this SmolLM2-135M layer), one op that the QKV projection takes in on CUDA
+(`QKVRopeFusionPass`):
 
     rotated: "f32[s72, 576]" = compilelm.rope_cache(q, k, v, positions, cos_sin_cache, 64)
     attn: "f32[s72, 576]" = compilelm.unified_attention_rotated(rotated, 'model.layers.0.self_attn.attn')
@@ -43,7 +43,7 @@ import operator
 import torch
 from torch._inductor import pattern_matcher as pm
 
-from compilelm.layers.attention import SMALL_QUERY_WIDTH  # (and the attention ops this pass targets)
+import compilelm.layers.attention  # noqa: F401  (the attention ops this pass targets)
 from compilelm.layers.layernorm import rms_norm
 from compilelm.layers.rotary_embedding import apply_rope
 from compilelm.passes.base import FusionPass
@@ -172,9 +172,9 @@ def _share_size_inputs(graph: torch.fx.Graph) -> None:
                 node.replace_all_uses_with(kept)
 
 
-def _fuse(graph: torch.fx.Graph, attn: torch.fx.Node, split_small: bool) -> int:
+def _fuse(graph: torch.fx.Graph, attn: torch.fx.Node, split_rope: bool) -> int:
     """unified_attention(rope(q), rope(k), v), both rotated by the same cos/sin from
-    cos_sin_cache[positions] -> the fused op (with `split_small`, small models: rope_cache and
+    cos_sin_cache[positions] -> the fused op (with `split_rope`, without QK-norm: rope_cache and
     unified_attention_rotated). Returns 1 if rewritten."""
     q, k, v, layer_name = attn.args
     if not all(isinstance(t, torch.fx.Node) and len(t.users) == 1 for t in (q, k)) or q.target != k.target:
@@ -195,7 +195,7 @@ def _fuse(graph: torch.fx.Graph, attn: torch.fx.Node, split_small: bool) -> int:
     cache, positions = source
     head_dim = 2 * int(cos.meta["val"].shape[-1])
     with graph.inserting_before(attn):
-        if split_small and not norm_args and _query_width(q_in) <= SMALL_QUERY_WIDTH:  # RoPE before the split
+        if split_rope and not norm_args:  # RoPE before the split
             rotated = graph.call_function(ops.rope_cache.default, (q_in, k_in, v, positions, cache, head_dim))
             rotated.meta = dict(attn.meta)  # (shaped like attention's output)
             fused = graph.call_function(ops.unified_attention_rotated.default, (rotated, layer_name))
@@ -205,12 +205,6 @@ def _fuse(graph: torch.fx.Graph, attn: torch.fx.Node, split_small: bool) -> int:
     attn.replace_all_uses_with(fused)
     graph.erase_node(attn)
     return 1
-
-
-def _query_width(q: torch.fx.Node) -> int:
-    """num_heads * head_dim of the query (a large number where it is not known)."""
-    width = q.meta["val"].shape[-1] if "val" in q.meta else None
-    return width if isinstance(width, int) else 1 << 30
 
 
 def _cos_sin_source(cos, sin) -> tuple[torch.fx.Node, torch.fx.Node] | None:

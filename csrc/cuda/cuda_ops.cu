@@ -21,6 +21,7 @@ TORCH_LIBRARY_IMPL(compilelm, CUDA, m) {
   m.impl("fused_add_rms_norm_skinny_mm", &compilelm::cuda::fused_add_rms_norm_skinny_mm);
   m.impl("silu_mul_skinny_mm", &compilelm::cuda::silu_mul_skinny_mm);
   m.impl("skinny_mm_silu_mul", &compilelm::cuda::skinny_mm_silu_mul);
+  m.impl("skinny_mm_rope", &compilelm::cuda::skinny_mm_rope);
   m.impl("rms_norm_skinny_mm_rope", &compilelm::cuda::rms_norm_skinny_mm_rope);
   m.impl("fused_add_rms_norm_skinny_mm_rope", &compilelm::cuda::fused_add_rms_norm_skinny_mm_rope);
   m.impl("argmax_rows", &compilelm::cuda::argmax_rows);

@@ -111,6 +111,9 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_skinny_mm(const at::Tensor
                                                                 const at::Tensor& weight);
 at::Tensor silu_mul_skinny_mm(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor skinny_mm_silu_mul(const at::Tensor& x, const at::Tensor& weight);
+at::Tensor skinny_mm_rope(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& positions,
+                          const at::Tensor& cos_sin_cache, at::Tensor& key_cache, at::Tensor& value_cache,
+                          const at::Tensor& slot_mapping, int64_t num_heads);
 at::Tensor rms_norm_skinny_mm_rope(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
                                    const at::Tensor& weight, const at::Tensor& positions,
                                    const at::Tensor& cos_sin_cache, at::Tensor& key_cache, at::Tensor& value_cache,

@@ -21,13 +21,15 @@
 // norm is redone per block (4 columns), not per warp: applying it per warp and chunk made the
 // kernel ALU-bound (8B gate_up 82 -> 139 us on an H100).
 //
-// rms_norm_skinny_mm_rope / fused_add_rms_norm_skinny_mm_rope are the QKV projection of a small
-// model with rope_and_cache in its epilogue (kRope): the output columns q | k | v never reach
+// skinny_mm_rope / rms_norm_skinny_mm_rope / fused_add_rms_norm_skinny_mm_rope are the QKV
+// projection with rope_and_cache in its epilogue (kRope): the output columns q | k | v never reach
 // memory. A block's four warps compute the rotation pairs (j, j + 1, j + D/2, j + D/2 + 1) of one
 // head; after the warp reductions two warps per row rotate the pairs (rope_and_cache's numbers:
 // the projection rounded to T, cos/sin rounded to T, one rounding after the rotation) and write
 // the query, or the key and value rows to their cache slot. Decode attention, launched next,
-// starts at once (the norm variants let it) and finds this step's cache rows after its wait.
+// starts at once and finds this step's cache rows after its wait. At 3-64 rows on sm_90 they run
+// the norm kernel (if any), then hopper_mm_rope_out (compilelm/ops/hopper_gemm.py): the Hopper
+// GEMM with the same rotation in its epilogue.
 //
 // silu_mul_skinny_mm takes the MLP's gate_up output [M, 2K] and applies SiLU-and-mul (eager's
 // roundings, T(T(silu(gate)) * up), the exp in fast math) the same way: once per block, into
@@ -140,7 +142,7 @@ __device__ __forceinline__ int rope_column(int block, int warp, int head_size) {
 
 template <typename T, int M, Prologue kPro, bool kRope>
 __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyParams p, const RopeCacheParams r) {
-  static_assert(!kRope || kPro == Prologue::kRms || kPro == Prologue::kAddRms, "RoPE: the QKV projection's variants");
+  static_assert(!kRope || kPro != Prologue::kSiluMul, "RoPE: the QKV projection's variants");
   constexpr int kVec = 16 / sizeof(T);
   extern __shared__ uint4 s_rows[];  // the prologue variants: the GEMV's input rows as T, [M][k]
   __shared__ float s_sum_sq[kWarps][M];
@@ -161,7 +163,9 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
   };
   // The first weight loads go out before the PDL wait (launch.cuh: a weight is no kernel's
   // output), overlapping the kernel before; they stay in flight through the prologue. The norm
-  // variants (QKV and gate_up projections) let their dependent start at once (launch.cuh).
+  // variants (QKV and gate_up projections) let their dependent start at once (launch.cuh). (So did
+  // kRope without a norm, at first: Llama-3.1-8B's batch-1 step lost 0.1 ms on an H100, its decode
+  // attention's blocks waiting on SMs where the QKV projection's would stream.)
   constexpr bool kEarlyDependents = kPro == Prologue::kRms || kPro == Prologue::kAddRms;
   if constexpr (kEarlyDependents) allow_dependent_kernels();
   load_step(lane);
@@ -476,11 +480,20 @@ hopper_mm_op() {
   return op;
 }
 
-// hopper_mm_out takes the rows above kMaxRows up to 64 on sm_90 for weights of at least 8M
+// compilelm::hopper_mm_rope_out (the same kernel with RoPE in its epilogue), looked up once.
+using HopperRopeFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, bool);
+const c10::TypedOperatorHandle<HopperRopeFn>& hopper_rope_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("compilelm::hopper_mm_rope_out", "")
+                             .typed<HopperRopeFn>();
+  return op;
+}
+
+// The Hopper kernels take the rows above kMaxRows up to 64 on sm_90 for weights of at least 8M
 // elements and K >= 1024 (a few K steps per block gained nothing: SmolLM2-135M's LM head), where
-// its CUDA kernel is registered (Triton importable) and set_hopper_gemm has not turned it off.
-// out: [M, N], or [M, N / 2] for its SiLU-and-mul epilogue.
-bool hopper_mm_takes(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
+// their CUDA kernels are registered (Triton importable) and set_hopper_gemm has not turned them off.
+bool hopper_gemm_takes(const at::Tensor& x, const at::Tensor& weight) {
   const auto dtype = x.scalar_type();
   const auto tma_rows = [](const at::Tensor& t) {  // a TMA descriptor's layout: unit stride, 16-byte rows
     return t.stride(1) == 1 && (t.stride(0) * t.element_size()) % 16 == 0 &&
@@ -488,9 +501,22 @@ bool hopper_mm_takes(const at::Tensor& x, const at::Tensor& weight, const at::Te
   };
   return hopper_gemm_enabled() && x.size(0) > kMaxRows && x.size(0) <= 64 && weight.size(1) >= 1024 &&
          weight.size(0) * weight.size(1) >= (int64_t{8} << 20) && (dtype == at::kBFloat16 || dtype == at::kHalf) &&
-         out.scalar_type() == dtype && out.stride(1) == 1 && tma_rows(x) && tma_rows(weight) &&
-         at::cuda::getCurrentDeviceProperties()->major == 9 &&
+         tma_rows(x) && tma_rows(weight) && at::cuda::getCurrentDeviceProperties()->major == 9 &&
          hopper_mm_op().hasKernelForDispatchKey(c10::DispatchKey::CUDA);
+}
+
+// hopper_mm_out: out [M, N], or [M, N / 2] for its SiLU-and-mul epilogue, in x's dtype.
+bool hopper_mm_takes(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
+  return out.scalar_type() == x.scalar_type() && out.stride(1) == 1 && hopper_gemm_takes(x, weight);
+}
+
+// hopper_mm_rope_out: caches of x's dtype, contiguous, head_size a multiple of 64 (blocks of 32
+// rotation pairs).
+bool hopper_rope_takes(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& key_cache,
+                       const at::Tensor& value_cache) {
+  return key_cache.size(3) % 64 == 0 && key_cache.scalar_type() == x.scalar_type() &&
+         value_cache.scalar_type() == x.scalar_type() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+         hopper_gemm_takes(x, weight);
 }
 
 // x @ weight.T into out (allocated if undefined) where the kernel here does not take the rows:
@@ -581,37 +607,56 @@ std::tuple<at::Tensor, at::Tensor> norm_mm(const at::Tensor& x, const at::Tensor
   return {y, residual_out};
 }
 
-// The QKV projection with rope_and_cache after it: (rotated q [M, num_heads, head_size],
-// residual_out or undefined). One kernel where norm_mm's kernel takes the call, else the
-// projection (norm_mm), then rope_and_cache of its q | k | v.
-std::tuple<at::Tensor, at::Tensor> norm_mm_rope(const at::Tensor& x, const at::Tensor* residual,
-                                                const at::Tensor& norm_weight, double eps, const at::Tensor& weight,
-                                                const at::Tensor& positions, const at::Tensor& cos_sin_cache,
-                                                at::Tensor& key_cache, at::Tensor& value_cache,
-                                                const at::Tensor& slot_mapping, int64_t num_heads, const char* op) {
+// The QKV projection (of rms_norm(x (+ residual)) where norm_weight is given, else of x) with
+// rope_and_cache after it: (rotated q [M, num_heads, head_size], residual_out or undefined). One
+// kernel where this file's kernel takes the call (kRope; the norm variants where norm_mm_fuses).
+// Else the norm kernel (if any), then hopper_mm_rope_out where it takes the rows, else the
+// product and rope_and_cache of its q | k | v.
+std::tuple<at::Tensor, at::Tensor> mm_rope(const at::Tensor& x, const at::Tensor* residual,
+                                           const at::Tensor* norm_weight, double eps, const at::Tensor& weight,
+                                           const at::Tensor& positions, const at::Tensor& cos_sin_cache,
+                                           at::Tensor& key_cache, at::Tensor& value_cache,
+                                           const at::Tensor& slot_mapping, int64_t num_heads, const char* op) {
   TORCH_CHECK(key_cache.dim() == 4, op, ": key_cache must be [num_blocks, block_size, num_kv_heads, head_size], got ",
               key_cache.sizes());
   const int64_t head_size = key_cache.size(3), kv_width = key_cache.size(2) * head_size;
   TORCH_CHECK(num_heads > 0 && weight.dim() == 2 && weight.size(0) == num_heads * head_size + 2 * kv_width, op,
               ": weight must be [(num_heads + 2 * num_kv_heads) * head_size, K] = [", num_heads * head_size + 2 * kv_width,
               ", K] (num_heads ", num_heads, ", the cache's num_kv_heads and head_size), got ", weight.sizes());
-  const bool fused = norm_mm_fuses(x, residual, norm_weight, weight, op);
-  at::Tensor qkv, residual_out;
-  if (fused) {
-    qkv = at::empty({x.size(0), weight.size(0)}, x.options());  // never written: rope_and_cache's checks see its views
-  } else {
-    std::tie(qkv, residual_out) = norm_mm(x, residual, norm_weight, eps, weight, op);
+  if (norm_weight == nullptr) check_mm(x, weight, op);
+  const bool one_kernel =
+      norm_weight != nullptr ? norm_mm_fuses(x, residual, *norm_weight, weight, op) : fast_path(x, weight);
+  at::Tensor h = x, residual_out;  // the projection's input
+  if (!one_kernel && norm_weight != nullptr) {
+    if (residual == nullptr) {
+      h = rms_norm(x, *norm_weight, eps);
+    } else {
+      std::tie(h, residual_out) = fused_add_rms_norm(x, *residual, *norm_weight, eps);
+    }
   }
+  const bool hopper = !one_kernel && hopper_rope_takes(h, weight, key_cache, value_cache);
+  // (with one of the kernels qkv is never written: rope_and_cache's checks see its views)
+  const at::Tensor qkv = one_kernel || hopper ? at::empty({x.size(0), weight.size(0)}, x.options()) : product(h, weight);
   const auto parts = qkv.split_with_sizes({num_heads * head_size, kv_width, kv_width}, 1);
   const at::Tensor query = parts[0].view({x.size(0), num_heads, head_size});
   RopeCacheCall call = rope_cache_call(positions, query, parts[1].view({x.size(0), -1, head_size}),
                                        parts[2].view({x.size(0), -1, head_size}), cos_sin_cache, std::nullopt,
                                        std::nullopt, 0.0, key_cache, value_cache, slot_mapping);
   const c10::cuda::CUDAGuard guard(x.device());
-  if (!fused) return {run_rope_and_cache(call, query), residual_out};
+  if (!one_kernel && !hopper) return {run_rope_and_cache(call, query), residual_out};
   at::Tensor q_out = at::empty(query.sizes(), query.options());
+  if (hopper) {
+    hopper_rope_op().call(h, weight, call.positions, call.cos_sin_cache, key_cache, value_cache, call.slot_mapping,
+                          q_out, programmatic_launch_enabled());
+    return {q_out, residual_out};
+  }
   call.params.q_out = q_out.mutable_data_ptr();
-  residual_out = std::get<1>(norm_mm(x, residual, norm_weight, eps, weight, op, &call.params));
+  if (norm_weight != nullptr) {
+    residual_out = std::get<1>(norm_mm(x, residual, *norm_weight, eps, weight, op, &call.params));
+  } else {
+    at::Tensor y = qkv;  // (a handle: never written)
+    dispatch<Prologue::kNone, true>(mm_params(x, weight, y), x.scalar_type(), x.size(0), call.params);
+  }
   return {q_out, residual_out};
 }
 
@@ -699,20 +744,27 @@ at::Tensor skinny_mm_silu_mul(const at::Tensor& x, const at::Tensor& weight) {
   return out;
 }
 
+at::Tensor skinny_mm_rope(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& positions,
+                          const at::Tensor& cos_sin_cache, at::Tensor& key_cache, at::Tensor& value_cache,
+                          const at::Tensor& slot_mapping, int64_t num_heads) {
+  return std::get<0>(mm_rope(x, nullptr, nullptr, 0.0, weight, positions, cos_sin_cache, key_cache, value_cache,
+                             slot_mapping, num_heads, "skinny_mm_rope"));
+}
+
 at::Tensor rms_norm_skinny_mm_rope(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
                                    const at::Tensor& weight, const at::Tensor& positions,
                                    const at::Tensor& cos_sin_cache, at::Tensor& key_cache, at::Tensor& value_cache,
                                    const at::Tensor& slot_mapping, int64_t num_heads) {
-  return std::get<0>(norm_mm_rope(x, nullptr, norm_weight, eps, weight, positions, cos_sin_cache, key_cache,
-                                  value_cache, slot_mapping, num_heads, "rms_norm_skinny_mm_rope"));
+  return std::get<0>(mm_rope(x, nullptr, &norm_weight, eps, weight, positions, cos_sin_cache, key_cache, value_cache,
+                             slot_mapping, num_heads, "rms_norm_skinny_mm_rope"));
 }
 
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_skinny_mm_rope(
     const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm_weight, double eps,
     const at::Tensor& weight, const at::Tensor& positions, const at::Tensor& cos_sin_cache, at::Tensor& key_cache,
     at::Tensor& value_cache, const at::Tensor& slot_mapping, int64_t num_heads) {
-  return norm_mm_rope(x, &residual, norm_weight, eps, weight, positions, cos_sin_cache, key_cache, value_cache,
-                      slot_mapping, num_heads, "fused_add_rms_norm_skinny_mm_rope");
+  return mm_rope(x, &residual, &norm_weight, eps, weight, positions, cos_sin_cache, key_cache, value_cache,
+                 slot_mapping, num_heads, "fused_add_rms_norm_skinny_mm_rope");
 }
 
 }  // namespace compilelm::cuda

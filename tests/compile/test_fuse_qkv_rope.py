@@ -1,4 +1,4 @@
-"""QKVRopeFusionPass: a normed QKV projection's q | k | v -> rope_cache becomes one op. The graph
+"""QKVRopeFusionPass: a (normed) QKV projection's q | k | v -> rope_cache becomes one op. The graph
 is traced as Inductor's post-grad graphs look on CUDA (fake CUDA tensors, symbolic M), taken
 through SkinnyMMPass and RMSNormSkinnyMMFusionPass, then rewritten; the result runs on real CPU
 tensors (the ops' CPU kernels are the torch compositions) against the eager function, the KV
@@ -32,6 +32,12 @@ def first_layer(x, norm_w, w_qkv, positions, cos_sin_cache):
     return ops.rope_cache(q, k, v, positions, cos_sin_cache, HEAD_DIM)
 
 
+def plain(x, w_qkv, positions, cos_sin_cache):
+    """A model too wide for the norm to fuse: the norm stays, the projection is a plain skinny_mm."""
+    q, k, v = torch.mm(x, w_qkv.t()).split(WIDTHS, dim=-1)
+    return ops.rope_cache(q, k, v, positions, cos_sin_cache, HEAD_DIM)
+
+
 def leaky(x, norm_w, w_qkv, positions, cos_sin_cache):
     """k also feeds something else: the projection's output must stay."""
     q, k, v = torch.mm(rms_norm(x, norm_w, EPS), w_qkv.t()).split(WIDTHS, dim=-1)
@@ -51,10 +57,14 @@ def inputs(fn, dtype):
     norm_w = (torch.rand(HIDDEN, generator=gen) + 0.5).to(dtype)
     w = torch.randn(sum(WIDTHS), HIDDEN, generator=gen).to(dtype)
     positions, cos_sin = torch.tensor([3, 9, 0]), torch.randn(16, HEAD_DIM, generator=gen)
-    return [x, r, norm_w, w, positions, cos_sin] if fn is qkv_rope else [x, norm_w, w, positions, cos_sin]
+    return {qkv_rope: [x, r, norm_w, w], plain: [x, w]}.get(fn, [x, norm_w, w]) + [positions, cos_sin]
 
 
-@pytest.mark.parametrize("fn", [qkv_rope, first_layer])
+FUSED = {qkv_rope: ops.fused_add_rms_norm_qkv_rope.default, first_layer: ops.rms_norm_qkv_rope.default,
+         plain: ops.qkv_rope.default}
+
+
+@pytest.mark.parametrize("fn", [qkv_rope, first_layer, plain])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_projection_takes_rope_and_cache_write_in(fn, dtype):
     args = inputs(fn, dtype)
@@ -63,10 +73,9 @@ def test_projection_takes_rope_and_cache_write_in(fn, dtype):
     gm, _, _ = skinny_mm_then(lambda g: (RMSNormSkinnyMMFusionPass()(g), fusion(g)), fn, shapes[:-2], dtype,
                               extra=args[-2:])
     t = targets(gm)
-    fused = ops.fused_add_rms_norm_qkv_rope.default if fn is qkv_rope else ops.rms_norm_qkv_rope.default
-    assert fusion.matches == 1 and t.count(fused) == 1, gm.code
+    assert fusion.matches == 1 and t.count(FUSED[fn]) == 1, gm.code
     assert ops.rope_cache.default not in t and torch.ops.aten.split_with_sizes.default not in t
-    assert not {ops.rms_norm_skinny_mm.default, ops.fused_add_rms_norm_skinny_mm.default} & set(t)
+    assert not {ops.skinny_mm.default, ops.rms_norm_skinny_mm.default, ops.fused_add_rms_norm_skinny_mm.default} & set(t)
     # on CPU: the fused op (its CPU kernel: the composition) == the function, outputs and KV cache
     got_ctx, want_ctx = context(dtype), context(dtype)
     with set_forward_context(got_ctx):
@@ -101,6 +110,18 @@ def test_ops_cpu_match_reference_and_opcheck():
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     q1 = ops.rms_norm_skinny_mm_rope(x, norm_w, EPS, w, positions, cos_sin, *caches[:2], slots, HEADS)
     assert q1.shape == (M, HEADS, HEAD_DIM)
+    # without the norm: skinny_mm_rope, and the Hopper kernel's op (its CPU kernel: the same composition)
+    plain_caches = [torch.zeros_like(c) for c in caches]
+    q2 = ops.skinny_mm_rope(x, w, positions, cos_sin, *plain_caches[:2], slots, HEADS)
+    parts = [t.view(M, -1, HEAD_DIM) for t in (x @ w.t()).split(WIDTHS, dim=-1)]
+    assert torch.equal(q2, ops.rope_and_cache(positions, *parts, cos_sin, None, None, 0.0, *plain_caches[2:], slots))
+    assert torch.equal(plain_caches[0], plain_caches[2]) and torch.equal(plain_caches[1], plain_caches[3])
+    assert plain_caches[0].abs().sum() > 0
+    q_out = torch.empty(M, HEADS, HEAD_DIM, dtype=dtype)
+    ops.hopper_mm_rope_out(x, w, positions, cos_sin, *plain_caches[:2], slots, q_out, True)
+    assert torch.equal(q_out, q2)
+    opcheck(ops.skinny_mm_rope.default, (x, w, positions, cos_sin, *caches[:2], slots, HEADS))
+    opcheck(ops.hopper_mm_rope_out.default, (x, w, positions, cos_sin, *caches[:2], slots, q_out, True))
     opcheck(ops.rms_norm_skinny_mm_rope.default, (x, norm_w, EPS, w, positions, cos_sin, *caches[:2], slots, HEADS))
     opcheck(ops.fused_add_rms_norm_skinny_mm_rope.default,
             (x, r, norm_w, EPS, w, positions, cos_sin, *caches[:2], slots, HEADS))

@@ -9,7 +9,7 @@ from torch import nn
 
 from compilelm.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from compilelm.graphs import CompileConfig
-from compilelm.layers.attention import SMALL_QUERY_WIDTH, Attention
+from compilelm.layers.attention import Attention
 from compilelm.layers.layernorm import RMSNorm
 from compilelm.layers.rotary_embedding import RotaryEmbedding
 from compilelm.passes import PassConfig, PassManager
@@ -63,9 +63,7 @@ def test_toy_attention_fused_counts_and_numerics(qk_norm, heads):
     x, positions = torch.randn(n, 64), torch.arange(5, 5 + n)
     if qk_norm:
         fused_ops = {"compilelm.unified_attention_qknorm_rope.default": 1}
-    elif heads * HEAD_DIM > SMALL_QUERY_WIDTH:  # 1280 wide: RoPE inside the attention op
-        fused_ops = {"compilelm.unified_attention_rope.default": 1, "compilelm.rope_cache.default": 0}
-    else:  # small: RoPE + the cache write before the split, the attention op after it
+    else:  # small (128 wide) or wide (1280): RoPE + the cache write before the split, the attention op after it
         fused_ops = {"compilelm.unified_attention_rope.default": 0, "compilelm.rope_cache.default": 1,
                      "compilelm.unified_attention_rotated.default": 1}
     ctx = paged_context(n)
@@ -74,7 +72,7 @@ def test_toy_attention_fused_counts_and_numerics(qk_norm, heads):
                         ops_before={"compilelm.unified_attention.default": 1, "aten.cat.default": 2},
                         ops_after={"compilelm.unified_attention.default": 0, **fused_ops},
                         atol=1e-5, context=lambda: set_forward_context(ctx))
-    if not qk_norm:  # without fuse_qkv_rope, small models too get RoPE inside the attention op
+    if not qk_norm:  # without fuse_qkv_rope, RoPE goes inside the attention op
         plain = check_pass(model, [x, positions], [RopeAttentionFusionPass(PassConfig(fuse_qkv_rope=False))], atol=1e-5,
                            ops_after={"compilelm.unified_attention_rope.default": 1, "compilelm.rope_cache.default": 0},
                            context=lambda: set_forward_context(paged_context(n)))

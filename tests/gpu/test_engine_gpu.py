@@ -23,6 +23,9 @@ SHAPES = {
                                                        "high_freq_factor": 4.0,
                                                        "original_max_position_embeddings": 128})),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(rope_theta=1000000.0)),
+    # wider than the norm + QKV fusion takes (MAX_HIDDEN 2048): the QKV projection is a plain
+    # skinny_mm and takes RoPE in as `qkv_rope` (Llama-3.1-8B's path)
+    "llama3_wide": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=500000.0, hidden_size=2304)),
 }
 MAX_TOKENS = 16
 # varied lengths: with a 64-token step budget, prefill chunks and decodes share steps; 5 requests
@@ -35,7 +38,7 @@ def build_hf_model(shape: str, path):
 
     config_cls, model_cls, extra = SHAPES[shape]
     torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(**COMMON, **extra)
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
     model = getattr(transformers, model_cls)(config)
     for p in model.parameters():  # larger than the default init: logits far apart, no near-ties
         if p.dim() > 1:
