@@ -25,9 +25,10 @@ still missed, so the pass stays on for every width).
             positions, cos_sin_cache, 64)
 
 the first layer's `rms_norm_skinny_mm` -> `compilelm.rms_norm_qkv_rope`, and a plain
-`skinny_mm(x, w_qkv)` (a model too wide for the norm to fuse: Llama-3.1-8B) -> `compilelm.qkv_rope(
-x, w_qkv, positions, cos_sin_cache, num_heads)`. No such op names its layer: both write the cache of the next attention layer (ForwardContext.next_kv_cache), so every
-layer's piece stays the same code, compiled once. The rewrite is a walk over the rope_cache
+`skinny_mm(x, w_qkv)` (a model too wide for the norm to fuse: Llama-3.1-8B) ->
+`compilelm.qkv_rope(x, w_qkv, positions, cos_sin_cache, num_heads)`. No such op names its layer:
+they write the cache of the next attention layer (ForwardContext.next_kv_cache), so every layer's
+piece stays the same code, compiled once. The rewrite is a walk over the rope_cache
 nodes rather than a pattern: the split sizes (the head counts) vary from model to model.
 """
 

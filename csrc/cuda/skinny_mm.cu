@@ -636,7 +636,8 @@ std::tuple<at::Tensor, at::Tensor> mm_rope(const at::Tensor& x, const at::Tensor
   }
   const bool hopper = !one_kernel && hopper_rope_takes(h, weight, key_cache, value_cache);
   // (with one of the kernels qkv is never written: rope_and_cache's checks see its views)
-  const at::Tensor qkv = one_kernel || hopper ? at::empty({x.size(0), weight.size(0)}, x.options()) : product(h, weight);
+  const at::Tensor qkv =
+      one_kernel || hopper ? at::empty({x.size(0), weight.size(0)}, x.options()) : product(h, weight);
   const auto parts = qkv.split_with_sizes({num_heads * head_size, kv_width, kv_width}, 1);
   const at::Tensor query = parts[0].view({x.size(0), num_heads, head_size});
   RopeCacheCall call = rope_cache_call(positions, query, parts[1].view({x.size(0), -1, head_size}),
