@@ -24,7 +24,7 @@ from torch import Tensor
 from compilelm.layers.layernorm import rms_norm
 from compilelm.layers.rotary_embedding import apply_rope
 from compilelm.ops.attention import paged_attention_ref
-from compilelm.ops.linear import fused_add_rms_norm_skinny_mm_ref, rms_norm_skinny_mm_ref
+from compilelm.ops.linear import fused_add_rms_norm_skinny_mm_ref, rms_norm_skinny_mm_ref, skinny_mm_ref
 
 
 def rope_and_cache(
@@ -125,18 +125,9 @@ def skinny_mm_rope(
                                                       slot_mapping, num_heads)
 
 
-def rms_norm_skinny_mm_rope(
-    x: Tensor,  # [M, K]
-    norm_weight: Tensor,  # [K]
-    eps: float,
-    weight: Tensor,  # [(num_heads + 2 * num_kv_heads) * head_size, K]: q | k | v rows
-    positions: Tensor,  # int64 [M]
-    cos_sin_cache: Tensor,  # [max_position, head_size]
-    key_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size], written in place
-    value_cache: Tensor,  # written in place
-    slot_mapping: Tensor,  # int64 [M]; -1 skips
-    num_heads: int,
-) -> Tensor:  # rotated query, [M, num_heads, head_size] contiguous
+def rms_norm_skinny_mm_rope(x, norm_weight, eps, weight, positions, cos_sin_cache, key_cache, value_cache,
+                            slot_mapping, num_heads) -> Tensor:
+    # skinny_mm_rope of rms_norm(x) (norm_weight: [K]) -> rotated query [M, num_heads, head_size]
     return torch.ops.compilelm.rms_norm_skinny_mm_rope.default(x, norm_weight, eps, weight, positions, cos_sin_cache,
                                                                key_cache, value_cache, slot_mapping, num_heads)
 
@@ -159,7 +150,8 @@ def _rope_qkv_ref(qkv, positions, cos_sin_cache, key_cache, value_cache, slot_ma
 
 def skinny_mm_rope_ref(x, weight, positions, cos_sin_cache, key_cache, value_cache, slot_mapping,
                        num_heads) -> Tensor:
-    return _rope_qkv_ref(x @ weight.t(), positions, cos_sin_cache, key_cache, value_cache, slot_mapping, num_heads)
+    return _rope_qkv_ref(skinny_mm_ref(x, weight), positions, cos_sin_cache, key_cache, value_cache, slot_mapping,
+                         num_heads)
 
 
 def rms_norm_skinny_mm_rope_ref(x, norm_weight, eps, weight, positions, cos_sin_cache, key_cache, value_cache,
