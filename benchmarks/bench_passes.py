@@ -10,8 +10,9 @@ CPU: best of 5 wall-clock runs (robust to other jobs on a shared CPU; the fused 
 compositions there, so CPU numbers measure the rewrite, not a kernel).
 
 (b) End to end (default on CUDA): an engine per setting, default -O2 (every pass on) vs the same
-with one fusion switched off, both alive and measured in turns (`--rounds`, medians): decode step time (median `engine.step()`, and the decode CUDA
-graph's GPU time alone) at batch 1 and 64 with `--context` tokens of context, and the step that
+with one fusion switched off, each built and measured in a process of its own (`--rounds`
+measurements, medians; see run_isolated): decode step time (median `engine.step()`, and the decode
+CUDA graph's GPU time alone) at batch 1 and 64 with `--context` tokens of context, and the step that
 prefills one `--prefill`-token prompt (median of 3). RMSNorm+quant and SiLU+quant run the model in
 FP8 mode (`quantization="fp8"`); QK-norm+RoPE runs Qwen3-0.6B.
 
@@ -250,47 +251,81 @@ def matches(info: dict, switch: str) -> int | str:
     return "cached" if info["matches"] is None else info["matches"].get(SWITCH_PASS[switch], 0)
 
 
+def measure_engine(model: str, quantization: str | None, off: str | None, args) -> tuple[list[dict], dict]:
+    """Build one engine, `--rounds` rounds of measure(), free it: (the rounds, build_engine's info)."""
+    llm, info = build_engine(model, quantization, off, args)
+    try:
+        return [measure(llm.engine, args) for _ in range(args.rounds)], info
+    finally:
+        free(llm)
+
+
+def _child(queue, fn, fn_args) -> None:
+    try:
+        queue.put(("ok", fn(*fn_args)))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        queue.put(("error", f"{type(e).__name__}: {e}"))
+
+
+def run_isolated(fn, *fn_args):
+    """fn(*fn_args) in a fresh (spawned) process; its result, or its exception as a RuntimeError.
+
+    Each engine is measured in a process of its own: on an H100, an engine's decode graph ran ~11%
+    slower once a second engine had been built in its process, and stayed so after that engine was
+    freed (SmolLM2-135M, batch 64, context 512: 1.28 -> 1.42 ms; engines built later did not show
+    it; cause not found). An all-on engine built first and measured beside each switched-off one
+    made the passes look like losses there."""
+    import multiprocessing
+    import queue as queue_mod
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(results, fn, fn_args))
+    proc.start()
+    try:
+        while True:
+            try:
+                status, value = results.get(timeout=5)
+                break
+            except queue_mod.Empty:
+                if not proc.is_alive():
+                    raise RuntimeError(f"the measuring process exited with code {proc.exitcode}") from None
+    finally:
+        proc.join()
+    if status == "error":
+        raise RuntimeError(value)
+    return value
+
+
 def e2e_rows(args) -> list[dict]:
-    """Each case: the all-on engine and the one with the case's switch off, both alive, measured
-    in turns for `--rounds` rounds (medians): host speed that drifts during the run, or an engine
-    built first and measured while the machine is still busy, reaches both sides alike."""
+    """Each case: the all-on engine (measured once per model and quantization) and the one with
+    the case's switch off, each in a process of its own (run_isolated), `--rounds` measurements
+    each (medians)."""
     rows = []
-    base = None  # (model, quantization, llm, info): the all-on engine, kept while cases share it
+    bases = {}  # (model, quantization) -> the all-on engine's (rounds, info)
     for fusion, model, quant, switch in E2E_CASES:
         if fusion not in args.cases:
             continue
-        off_llm = None
         try:
-            if base is None or base[:2] != (model, quant):
-                if base is not None:
-                    free(base[2])
-                base = None
-                base = (model, quant, *build_engine(model, quant, None, args))
-            off_llm, off_info = build_engine(model, quant, switch, args)
-            samples: dict[bool, list[dict]] = {True: [], False: []}
-            for _ in range(args.rounds):
-                samples[True].append(measure(base[2].engine, args))
-                samples[False].append(measure(off_llm.engine, args))
+            if (model, quant) not in bases:
+                bases[model, quant] = run_isolated(measure_engine, model, quant, None, args)
+            on_samples, on_info = bases[model, quant]
+            off_samples, off_info = run_isolated(measure_engine, model, quant, switch, args)
         except Exception as e:
             rows.append({"fusion": fusion, "model": model, "error": f"{type(e).__name__}: {e}"[:300]})
             print(f"{fusion}: FAILED {rows[-1]['error']}", flush=True)
             continue
-        finally:
-            if off_llm is not None:
-                free(off_llm)
-        on, off = medians(samples[True]), medians(samples[False])
+        on, off = medians(on_samples), medians(off_samples)
         print(f"{fusion} ({model}, quantization={quant}): on {on} | {switch} off {off}", flush=True)
         for key in on:
             if on[key] is None and off[key] is None:
                 continue
             row = {"fusion": fusion, "model": model.split(":")[-1] + (" fp8" if quant else ""), "measure": key,
-                   "on_ms": on[key], "off_ms": off[key], "matches_on": matches(base[3], switch),
+                   "on_ms": on[key], "off_ms": off[key], "matches_on": matches(on_info, switch),
                    "matches_off": matches(off_info, switch), "rounds": args.rounds}
             if on[key] and off[key]:
                 row["speedup"] = off[key] / on[key]
             rows.append(row)
-    if base is not None:
-        free(base[2])
     return rows
 
 
@@ -310,7 +345,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=32, help="end to end: timed decode steps")
     ap.add_argument("--prefill", type=int, default=2048, help="end to end: prompt tokens of the prefill step")
     ap.add_argument("--layers", type=int, default=None, help="end to end: override num_hidden_layers (smoke tests)")
-    ap.add_argument("--rounds", type=int, default=3, help="end to end: on/off measured in turns, medians")
+    ap.add_argument("--rounds", type=int, default=3, help="end to end: measurements of each engine (medians)")
     ap.add_argument("--cache-dir", default=None, help="end to end: compile cache (default: a fresh one per engine)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from benchmarks import bench_throughput
 
 
@@ -31,10 +33,11 @@ def test_throughput_cpu_smoke(tmp_path):
     assert saved["benchmark"] == "bench_throughput" and saved["env"]["torch"] and len(saved["rows"]) == 2
 
 
-def test_passes_end_to_end_measures_on_and_off_in_turns(tmp_path, monkeypatch):
-    """bench_passes (b) on CPU, 1 layer: two cases of one model share the all-on engine (3
-    engines, not 4), each side is measured `--rounds` times, alternating, and the rows carry
-    the medians."""
+def test_passes_end_to_end_measures_each_engine_once(tmp_path, monkeypatch):
+    """bench_passes (b) on CPU, 1 layer: two cases of one model share the all-on engine's
+    measurements (3 engines, not 4), each engine is measured `--rounds` times, and the rows carry
+    the medians. (Run in this process: run_isolated is replaced, so the counting wrappers see the
+    calls; test_run_isolated covers the process.)"""
     from benchmarks import bench_passes
     built, measured = [], []
     build, measure = bench_passes.build_engine, bench_passes.measure
@@ -51,14 +54,29 @@ def test_passes_end_to_end_measures_on_and_off_in_turns(tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench_passes, "build_engine", counting_build)
     monkeypatch.setattr(bench_passes, "measure", recording_measure)
+    monkeypatch.setattr(bench_passes, "run_isolated", lambda fn, *args: fn(*args))
     payload = bench_passes.main(["--device", "cpu", "--no-pieces", "--e2e", "--cases", "residual add out of addmm",
                                  "skinny_mm", "--layers", "1", "--batches", "1", "--context", "16", "--steps", "2",
                                  "--prefill", "32", "--rounds", "2", "--out", str(tmp_path / "passes.json")])
     assert built == [None, "unfuse_residual_addmm", "skinny_mm"]
-    assert measured == [None, "unfuse_residual_addmm"] * 2 + [None, "skinny_mm"] * 2
+    assert measured == [None, None, "unfuse_residual_addmm", "unfuse_residual_addmm", "skinny_mm", "skinny_mm"]
     rows = payload["e2e_rows"]
     assert {r["measure"] for r in rows} == {"decode_b1_ms", "prefill_32_ms"} and len(rows) == 4
     assert all(r["rounds"] == 2 and r["on_ms"] > 0 and r["off_ms"] > 0 and r["matches_on"] == 0 for r in rows)
+
+
+def test_run_isolated():
+    """bench_passes.run_isolated runs the function in another process and returns its result; an
+    exception there, or a process that dies, is raised here."""
+    import os
+
+    from benchmarks import bench_passes
+
+    assert bench_passes.run_isolated(os.getpid) != os.getpid()
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        bench_passes.run_isolated(divmod, 1, 0)
+    with pytest.raises(RuntimeError, match="exited with code 3"):
+        bench_passes.run_isolated(os._exit, 3)
 
 
 def test_decode_timing_keeps_every_request_decoding():

@@ -34,7 +34,8 @@ pytestmark = pytest.mark.gpu
 OPS = torch.ops.compilelm
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 STEP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}  # relative step of 1 ulp
-SHAPES = [(1, 4096), (33, 64), (7, 99)]  # 99: odd rows, the scalar (unvectorized) path
+# 99: odd rows, the scalar (unvectorized) path; 20480: rows over 1024 threads' worth of vectors
+SHAPES = [(1, 4096), (33, 64), (7, 99), (3, 20480)]
 
 
 def cuda(args):
