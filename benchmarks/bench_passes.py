@@ -270,11 +270,12 @@ def _child(queue, fn, fn_args) -> None:
 def run_isolated(fn, *fn_args):
     """fn(*fn_args) in a fresh (spawned) process; its result, or its exception as a RuntimeError.
 
-    Each engine is measured in a process of its own: on an H100, an engine's decode graph ran ~11%
-    slower once a second engine had been built in its process, and stayed so after that engine was
-    freed (SmolLM2-135M, batch 64, context 512: 1.28 -> 1.42 ms; engines built later did not show
-    it; cause not found). An all-on engine built first and measured beside each switched-off one
-    made the passes look like losses there."""
+    Each engine is measured in a process of its own: on an H100, an all-on engine's decode graph ran
+    ~11% slower once two engines had been built in its process, whichever came first, and stayed so
+    after the other was freed (SmolLM2-135M, batch 64, context 512: 1.27 -> 1.40 ms, about its
+    speed with PDL off; a graph replayed once on another stream does the same; cause not found;
+    benchmarks/results/decode_session22_gpu.log). An all-on engine built first and measured beside
+    each switched-off one made the passes look like losses there."""
     import multiprocessing
     import queue as queue_mod
 
