@@ -4,12 +4,17 @@ A decode step must read every weight once (the embedding table only for the rows
 each sequence's KV cache once, so bytes / bandwidth is its floor; we give it over the H100's
 3.35 TB/s and over the copy bandwidth measured here (a device-to-device copy, read + write).
 
-compilelm: `batch` requests with random `context`-token prompts are prefilled, then single
-`engine.step()` calls are timed while every request decodes (median; each step ends with the
-sampled ids on the host, so a step's time is wall time). Hugging Face: the same preset built with
-random weights, `generate` with a static cache (auto-compiled with torch.compile where
-`--hf-compile-batches` says, else `disable_compile`), timed as t(N_long) - t(N_short) per token
-so prefill cancels out.
+"Context" is the number of keys a decode step attends per sequence, averaged over the timed
+steps (the roofline counts the KV bytes of exactly that many). compilelm: `batch` requests with
+random prompts a little shorter than `context` are prefilled and decode untimed until the timed
+window will be centred on `context`; then single `engine.step()` calls are timed while every
+request decodes (median; each step ends with the sampled ids on the host, so a step's time is
+wall time). The rows give the mean context measured from the engine (`step_context`), and the
+context of the graph replayed alone after the window (`graph_context`, half a window more).
+Hugging Face: the same preset built with random weights, `generate` with a static cache
+(auto-compiled with torch.compile where `--hf-compile-batches` says, else `disable_compile`),
+timed as t(N_long) - t(N_short) per token so prefill cancels out, from prompts of `context`
+minus the mean of N_short and N_long.
 
     python benchmarks/bench_decode.py [--models ...] [--batches 1 64] [--context 1024]
 
@@ -65,52 +70,79 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(3, vocab, (batch, length), generator=g).tolist()
 
 
+def prefill_steps(batch: int, context: int, step_tokens: int) -> int:
+    """Steps that prefill `batch` prompts of up to `context` tokens, in chunks of what a step's
+    `step_tokens` leaves after the (at most `batch`) decode rows: the first request decodes in each
+    of them after its own prompt, so it runs ahead of the last by up to this many tokens."""
+    return -(-batch * context // max(step_tokens - batch, 1))
+
+
+def prompt_len(batch: int, context: int, steps: int, step_tokens: int) -> int:
+    """Prompt length of the timed requests: short enough that the untimed decode before the window
+    (at least 3 steps, and the prefill's spread) still ends below the window's first context."""
+    return max(1, context - steps // 2 - prefill_steps(batch, context, step_tokens) - 8)
+
+
 def decode_tokens(batch: int, context: int, steps: int, step_tokens: int) -> int:
-    """max_tokens of the timed requests: enough that none finishes before the measurement ends.
-    Prompts prefill in chunks of what a step's `step_tokens` leaves after the (at most `batch`)
-    decode rows, and a request decodes in every step after its prompt, so the first one is ahead
-    of the last by up to the number of prefill steps."""
-    return steps + 8 + -(-batch * context // max(step_tokens - batch, 1)) + 8
+    """max_tokens of the timed requests: enough that none finishes before the measurement ends --
+    the decode up to the window, the window, and the first requests' lead over the last."""
+    return context - prompt_len(batch, context, steps, step_tokens) + steps + prefill_steps(batch, context,
+                                                                                            step_tokens) + 8
 
 
-def time_ours(engine, batch: int, context: int, steps: int) -> tuple[float, float | None]:
-    """Median ms of one engine step while `batch` requests decode at ~`context` tokens, and the
-    mean GPU ms of the decode CUDA graph (forward + LM head) replayed alone (the rest is host work,
-    the input copies and sampling). Every timed step decodes all `batch` requests (checked): the
-    graph replayed alone then reads the inputs of a step of its own size."""
+def step_context(engine) -> float:
+    """Keys per sequence that the next decode step attends, averaged over the running requests:
+    each one's tokens, including the sampled ones still on the device (the newest is the one that
+    step decodes and writes to the cache)."""
+    running = engine.scheduler.running
+    return sum(r.num_tokens + r.num_output_placeholders for r in running) / max(len(running), 1)
+
+
+def time_ours(engine, batch: int, context: int, steps: int) -> dict:
+    """Median ms of one engine step while `batch` requests decode at a mean `context` keys
+    (`ours_ms`; `step_context`: the mean measured), and the mean GPU ms of the decode CUDA graph
+    (forward + LM head) replayed alone after the window (`graph_replay_ms` at `graph_context`; the
+    rest of a step is host work, the input copies and sampling). Every timed step decodes all
+    `batch` requests (checked): the graph replayed alone then reads the inputs of a step of its
+    own size."""
     from compilelm import SamplingParams
 
     step_tokens = engine.scheduler.config.max_num_batched_tokens
     params = SamplingParams(temperature=0.0, max_tokens=decode_tokens(batch, context, steps, step_tokens),
                             ignore_eos=True)
-    ids = [engine.add_request(None, p, params) for p in prompts(batch, context, engine.model_config.vocab_size, batch)]
+    length = prompt_len(batch, context, steps, step_tokens)
+    ids = [engine.add_request(None, p, params) for p in prompts(batch, length, engine.model_config.vocab_size, batch)]
+    first = context - (steps - 1) / 2  # the window's first context: its mean is then `context`
     produced = {}
-    while len(produced) < batch or min(produced.values()) < 3:  # prefill done, decoding warmed up
-        for out in engine.step():
+    while len(produced) < batch or min(produced.values()) < 3 or step_context(engine) < first:
+        for out in engine.step():  # prefill, then decode (warmed up) up to the window
             produced[out.request_id] = len(out.outputs[0].token_ids)
-    times = []
+    times, contexts = [], []
     for _ in range(steps):
+        contexts.append(step_context(engine))
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
     if engine.scheduler.num_running != batch:
         raise RuntimeError(f"{batch - engine.scheduler.num_running} of {batch} requests stopped decoding "
                            "during the measurement")
-    graph_ms = None
+    result = dict(ours_ms=statistics.median(times) * 1e3, step_context=statistics.fmean(contexts),
+                  graph_replay_ms=None, graph_context=None)
     graphs = engine.model_runner.cuda_graphs
     size = graphs.padded_size(batch) if graphs else None
     if size is not None:  # GPU time of the decode graph alone, on the last step's inputs
+        result["graph_context"] = contexts[-1]  # (the last timed step's)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(steps):
             graphs.replay(size)
         end.record()
         torch.cuda.synchronize()
-        graph_ms = start.elapsed_time(end) / steps
+        result["graph_replay_ms"] = start.elapsed_time(end) / steps
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
-    return statistics.median(times) * 1e3, graph_ms
+    return result
 
 
 def hf_model(preset: str):
@@ -131,10 +163,11 @@ def time_hf(model, batch: int, context: int, compile_: bool, n_short: int = 8, n
     so a compiled forward is reused)."""
     from transformers import StaticCache
 
-    ids = torch.tensor(prompts(batch, context, model.config.vocab_size, batch), device="cuda")
+    length = context - (n_short + n_long) // 2  # the timed tokens' mean context is `context`
+    ids = torch.tensor(prompts(batch, length, model.config.vocab_size, batch), device="cuda")
 
     def run(n: int) -> float:
-        cache = StaticCache(config=model.config, max_cache_len=context + n_long)
+        cache = StaticCache(config=model.config, max_cache_len=length + n_long)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -142,7 +175,7 @@ def time_hf(model, batch: int, context: int, compile_: bool, n_short: int = 8, n
                                  max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
                                  disable_compile=not compile_)
         torch.cuda.synchronize()
-        assert out.shape[1] == context + n
+        assert out.shape[1] == length + n
         return time.perf_counter() - t0
 
     run(n_short)  # warm-up (compiles)
@@ -172,10 +205,10 @@ def bench_model(name: str, args, bandwidth: float, rows: list, save) -> None:
         graphs = engine.model_runner.cuda_graphs
         graph_mib = graphs.memory_bytes / 2**20 if graphs else None
         for batch in args.batches:
-            ms, graph_ms = time_ours(engine, batch, args.context, args.steps)
+            timing = time_ours(engine, batch, args.context, args.steps)
+            ms, graph_ms = timing["ours_ms"], timing["graph_replay_ms"]
             nbytes = step_bytes(engine.model_config, engine.model_runner.model, batch, args.context)
-            row = dict(model=name, batch=batch, context=args.context, pdl=pdl, hopper_gemm=hopper_gemm, ours_ms=ms,
-                       graph_replay_ms=graph_ms,
+            row = dict(model=name, batch=batch, context=args.context, pdl=pdl, hopper_gemm=hopper_gemm, **timing,
                        roofline_ms=nbytes / H100_BANDWIDTH * 1e3, roofline_measured_ms=nbytes / bandwidth * 1e3,
                        target_ms=TARGETS_MS.get((name, batch)), startup_s=startup, graph_mib=graph_mib)
             row["pct_of_measured_roofline"] = 100 * row["roofline_measured_ms"] / ms

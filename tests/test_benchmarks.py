@@ -84,17 +84,21 @@ def test_decode_timing_keeps_every_request_decoding():
     in several chunks the first requests run ahead, and max_tokens must cover that spread (at
     steps + 8, the first requests finished inside the timed window, and the graph then replayed
     alone read a smaller step's inputs). Checked through the engine's running requests, and
-    against the old max_tokens, which must fail here."""
+    against max_tokens = steps + 8, which must fail here."""
     from benchmarks import bench_decode
     from compilelm import LLM, SamplingParams
 
-    batch, context, steps, chunk = 8, 24, 6, 32  # 8 prompts of 24 tokens: 7+ prefill steps
+    batch, context, steps, chunk = 8, 48, 6, 32  # 8 prompts of 21 tokens: 7 prefill steps
     llm = LLM("dummy:smollm2-135m", model_overrides={"num_hidden_layers": 1}, enforce_eager=True,
               max_model_len=context + bench_decode.decode_tokens(batch, context, steps, chunk),
               max_num_seqs=batch, max_num_batched_tokens=chunk)
     engine = llm.engine
-    ms, graph_ms = bench_decode.time_ours(engine, batch, context, steps)
-    assert ms > 0 and graph_ms is None and not engine.has_unfinished_requests()
+    timing = bench_decode.time_ours(engine, batch, context, steps)
+    assert timing["ours_ms"] > 0 and timing["graph_replay_ms"] is None and not engine.has_unfinished_requests()
+    # the timed steps attend `context` keys a sequence on average (the roofline's bytes), measured
+    # from the engine's running requests; prompts were shorter, and decoding filled the difference
+    assert abs(timing["step_context"] - context) <= 1, timing
+    assert bench_decode.prompt_len(batch, context, steps, chunk) < context - steps // 2
 
     # the same warm-up and timed loop with max_tokens = steps + 8: a request stops decoding
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
