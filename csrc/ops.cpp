@@ -63,6 +63,9 @@ TORCH_LIBRARY(compilelm, m) {
   // turned off, to cuBLAS; returns the previous setting. Takes effect for launches (and graph
   // captures) after the call.
   m.def("set_hopper_gemm(bool enabled) -> bool", &compilelm::set_hopper_gemm);
+  // The two settings above as they are (for launchers written in Python: compilelm/ops/norm_gemm.py).
+  m.def("programmatic_launch() -> bool", &compilelm::programmatic_launch_enabled);
+  m.def("hopper_gemm() -> bool", &compilelm::hopper_gemm_enabled);
   // key, value: [num_tokens, num_kv_heads, head_size]; slot_mapping: int64 [num_tokens], -1 skips.
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "

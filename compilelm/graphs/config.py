@@ -25,7 +25,7 @@ _LEVEL_DEFAULTS: dict[int, dict] = {
     1: {"cudagraph_mode": "piecewise",
         "passes": {"fuse_rope_attention": False, "fuse_norm_quant": False, "fuse_act_quant": False,
                    "fuse_allreduce_rms": False, "fuse_norm_skinny_mm": False,
-                   "fuse_act_skinny_mm": False, "fuse_qkv_rope": False}},
+                   "fuse_act_skinny_mm": False, "fuse_qkv_rope": False, "fuse_norm_gemm": False}},
     2: {},
     3: {"compile_sizes": (1, 2, 4, 8), "max_autotune": True},
 }

@@ -189,6 +189,24 @@ def fused_add_rms_norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor, norm_we
     return q.view(x.shape[0], -1), residual
 
 
+def _mm_add_qkv_rope_fake(x, weight, residual, eps, *args):
+    return _qkv_rope_fake(x, *args), x.new_empty(residual.shape)
+
+
+@_define("mm_add_rms_norm_qkv_rope(Tensor x, Tensor weight, Tensor residual, float eps, Tensor weight2, "
+         "Tensor positions, Tensor cos_sin_cache, int num_heads) -> (Tensor, Tensor)", _mm_add_qkv_rope_fake)
+def mm_add_rms_norm_qkv_rope(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, eps: float,
+                             weight2: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                             num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # qkv_rope of rms_norm(h) (no weight: folded into weight2), h = x @ weight.T + residual
+    # (compilelm/ops/norm_gemm.py) -> (rotated q [num_tokens, num_heads * head_dim], h)
+    ctx = get_forward_context()
+    q, h = torch.ops.compilelm.mm_add_rms_norm_mm_rope(x, weight, residual, eps, weight2, positions, cos_sin_cache,
+                                                       *ctx.next_kv_cache(), ctx.attn_metadata.slot_mapping,
+                                                       num_heads)
+    return q.view(x.shape[0], -1), h
+
+
 class Attention(nn.Module):
     """Holds the layer's name (its key in the forward context's kv_caches) and shape."""
 

@@ -39,6 +39,7 @@ from compilelm.ops.rope_cache import (  # noqa: E402
 from compilelm.ops.sampling import argmax_rows, argmax_rows_ref  # noqa: E402
 from compilelm.ops import quant  # noqa: E402, F401  (registers the fp8 ops' CPU and fake impls)
 from compilelm.ops import hopper_gemm  # noqa: E402, F401  (the hopper_mm ops' Triton kernels, CPU and fake impls)
+from compilelm.ops import norm_gemm  # noqa: E402, F401  (the norm-between-GEMMs ops: Triton kernels, CPU and fake impls)
 
 __all__ = ["argmax_rows", "argmax_rows_ref", "fused_add_rms_norm", "fused_add_rms_norm_ref", "fused_add_rms_norm_skinny_mm",
            "fused_add_rms_norm_skinny_mm_rope", "fused_add_rms_norm_skinny_mm_rope_ref",

@@ -77,6 +77,7 @@ def _(x, weight, positions, cos_sin_cache, key_cache, value_cache, slot_mapping,
 
 
 ROPE_PAIRS = 32  # rotation pairs per block of the RoPE epilogue: 64 weight rows
+PART_ROWS = 64  # row stride of the norm's partial sums of squares (compilelm/ops/norm_gemm.py): rows at most
 
 
 def tile_config(m: int, n: int, silu_mul: bool = False) -> tuple[int, int, int, int]:
@@ -93,14 +94,28 @@ def tile_config(m: int, n: int, silu_mul: bool = False) -> tuple[int, int, int, 
 
 if triton is not None:
 
+    @triton.jit
+    def _norm_partials(part_ptr, NP: tl.constexpr, BM: tl.constexpr):
+        # the [NP, PART_ROWS = 64] fp32 sums of squares of norm_gemm.py's producer (columns = rows of x)
+        return tl.load(part_ptr + tl.arange(0, NP)[:, None] * 64 + tl.arange(0, BM)[None, :])
+
+    @triton.jit
+    def _rstd(partials, K, eps):  # [BM]: rms_norm's 1 / sqrt(mean(h^2) + eps) per row
+        return tl.rsqrt(tl.sum(partials, axis=0) / K + eps)
+
     @triton.jit(do_not_specialize=["M"])
-    def _hopper_mm_kernel(x_desc, w_desc, y_ptr, M, N, K, stride_ym, BM: tl.constexpr, BN: tl.constexpr,
-                          BK: tl.constexpr, STAGES: tl.constexpr, SILU_MUL: tl.constexpr):
+    def _hopper_mm_kernel(x_desc, w_desc, y_ptr, M, N, K, stride_ym, part_ptr, eps, BM: tl.constexpr,
+                          BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, SILU_MUL: tl.constexpr,
+                          NP: tl.constexpr):
         # x_desc: [M, K] in tiles [BM, BK] (rows past M read as zeros); w_desc: [N, K] in tiles [BN, BK]
-        # (SILU_MUL: [BN / 2, BK], and N = the output's columns I: gate rows [0, I), up rows [I, 2I))
+        # (SILU_MUL: [BN / 2, BK], and N = the output's columns I: gate rows [0, I), up rows [I, 2I)).
+        # NP > 0: x is an un-normed h with NP partial sums of squares per row at part_ptr; the
+        # accumulators are scaled by rms_norm's rstd (the norm weight is folded into w)
         pid = tl.program_id(0)
         tl.extra.cuda.gdc_wait()  # x is the previous kernel's output; out may still be read by it
         tl.extra.cuda.gdc_launch_dependents()
+        if NP > 0:
+            partials = _norm_partials(part_ptr, NP, BM)  # (loaded here, used after the loop)
         TN: tl.constexpr = BN // 2 if SILU_MUL else BN  # output columns of this block
         acc = tl.zeros((TN, BM), tl.float32)  # out.T tile (SILU_MUL: of the gate product)
         acc_up = tl.zeros((TN if SILU_MUL else 1, BM), tl.float32)
@@ -109,6 +124,10 @@ if triton is not None:
             acc = tl.dot(w_desc.load([pid * TN, k]), x.T, acc)  # w: [TN, BK]
             if SILU_MUL:
                 acc_up = tl.dot(w_desc.load([N + pid * TN, k]), x.T, acc_up)
+        if NP > 0:
+            rstd = _rstd(partials, K, eps)
+            acc = acc * rstd[None, :]
+            acc_up = acc_up * rstd[None, :]
         out = acc.to(y_ptr.dtype.element_ty)
         if SILU_MUL:  # SiluAndMul's roundings of the rounded products: T(T(silu(gate)) * up)
             gate = out.to(tl.float32)
@@ -118,10 +137,10 @@ if triton is not None:
         rn = pid * TN + tl.arange(0, TN)
         tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], out, mask=(rm[None, :] < M) & (rn[:, None] < N))
 
-    @torch.library.register_kernel("compilelm::hopper_mm_out", "cuda")
-    def _(x, weight, out, pdl, silu_mul=False):
+    def hopper_mm_out(x, weight, out, pdl, silu_mul=False, norm=None):
         # x: [M <= 64, K]; weight: [N, K]; out: [M, N] (silu_mul: [M, N / 2]; row stride out.stride(0));
-        # bf16/fp16, 16-byte aligned rows (the C++ caller checks)
+        # bf16/fp16, 16-byte aligned rows (the C++ caller checks). norm (compilelm/ops/norm_gemm.py):
+        # (partials [NP, PART_ROWS] fp32, eps): x is un-normed, out = rms_norm(x) @ weight.T as above
         n, k = weight.shape
         cols = n // 2 if silu_mul else n
         torch._check(1 <= x.shape[0] <= 64 and x.shape[1] == k and out.shape == (x.shape[0], cols)
@@ -134,14 +153,16 @@ if triton is not None:
         tn = bn // 2 if silu_mul else bn  # output columns of a block: the weight rows of one tile load
         x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
         w_desc = TensorDescriptor.from_tensor(weight, [tn, bk])
-        _hopper_mm_kernel[(triton.cdiv(cols, tn),)](x_desc, w_desc, out, x.shape[0], cols, k, out.stride(0), BM=bm,
-                                                    BN=bn, BK=bk, STAGES=stages, SILU_MUL=silu_mul, num_warps=4,
-                                                    launch_pdl=pdl)
+        _hopper_mm_kernel[(triton.cdiv(cols, tn),)](x_desc, w_desc, out, x.shape[0], cols, k, out.stride(0),
+                                                    norm[0] if norm else out, norm[1] if norm else 0.0, BM=bm, BN=bn,
+                                                    BK=bk, STAGES=stages, SILU_MUL=silu_mul,
+                                                    NP=norm[0].shape[0] if norm else 0, num_warps=4, launch_pdl=pdl)
 
     @triton.jit(do_not_specialize=["M", "num_slots"])
     def _hopper_mm_rope_kernel(x_desc, w_desc, pos_ptr, cs_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, M, K, num_slots,
-                               NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
-                               BK: tl.constexpr, STAGES: tl.constexpr, P: tl.constexpr):
+                               part_ptr, eps, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr,
+                               BM: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, P: tl.constexpr,
+                               NP: tl.constexpr):
         # x_desc: [M, K] in tiles [BM, BK]; w_desc: the weight as [2 * heads, D / 2, K] in boxes [2, P, BK]
         # (heads = NUM_HEADS + 2 * NUM_KV: q | k | v); block b: head b // (D / 2 / P), pairs j = b % (D / 2 / P)
         pid = tl.program_id(0)
@@ -157,10 +178,14 @@ if triton is not None:
         sin = tl.load(cs + D // 2).to(x_desc.dtype).to(tl.float32)
         tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
         tl.extra.cuda.gdc_launch_dependents()
+        if NP > 0:  # as _hopper_mm_kernel's
+            partials = _norm_partials(part_ptr, NP, BM)
         acc = tl.zeros((2 * P, BM), tl.float32)  # rows: dims `dim` of the head, then dims `dim` + D/2
         for k in tl.range(0, K, BK, num_stages=STAGES):
             w = w_desc.load([2 * head, first, k]).reshape(2 * P, BK)  # [2P, BK]
             acc = tl.dot(w, x_desc.load([0, k]).T, acc)
+        if NP > 0:
+            acc = acc * _rstd(partials, K, eps)[None, :]
         out = acc.to(x_desc.dtype).to(tl.float32)  # the projection's rounding
         lo, hi = tl.split(tl.permute(out.reshape(2, P, BM), (1, 2, 0)))  # [P, BM]: dims j, j + D/2
         if head < NUM_HEADS + NUM_KV:  # q or k: rotated in fp32, rounded once (rope_and_cache's kernel)
@@ -178,8 +203,8 @@ if triton is not None:
         tl.store(dst, lo.to(x_desc.dtype), mask=rows)
         tl.store(dst + D // 2, hi.to(x_desc.dtype), mask=rows)
 
-    @torch.library.register_kernel("compilelm::hopper_mm_rope_out", "cuda")
-    def _(x, weight, positions, cos_sin_cache, key_cache, value_cache, slot_mapping, q_out, pdl):
+    def hopper_mm_rope_out(x, weight, positions, cos_sin_cache, key_cache, value_cache, slot_mapping, q_out, pdl,
+                           norm=None):
         # x: [M <= 64, K]; weight: [(H + 2 KVH) * D, K] (q | k | v heads); key_cache, value_cache: contiguous
         # [blocks, block_size, KVH, D]; q_out: [M, H, D] contiguous; D a multiple of 64 (the C++ caller checks)
         m, k = x.shape
@@ -201,5 +226,10 @@ if triton is not None:
         num_slots = key_cache.shape[0] * key_cache.shape[1]
         _hopper_mm_rope_kernel[(heads * (d // 2 // ROPE_PAIRS),)](
             x_desc, w_desc, positions, cos_sin_cache, slot_mapping, q_out, key_cache, value_cache, m, k, num_slots,
-            NUM_HEADS=heads - 2 * num_kv, NUM_KV=num_kv, D=d, BM=bm, BK=bk, STAGES=stages, P=ROPE_PAIRS,
-            num_warps=4, launch_pdl=pdl)
+            norm[0] if norm else q_out, norm[1] if norm else 0.0, NUM_HEADS=heads - 2 * num_kv, NUM_KV=num_kv, D=d,
+            BM=bm, BK=bk, STAGES=stages, P=ROPE_PAIRS, NP=norm[0].shape[0] if norm else 0, num_warps=4,
+            launch_pdl=pdl)
+
+    # (registered, not decorated: compilelm/ops/norm_gemm.py calls them with its `norm` argument)
+    torch.library.register_kernel("compilelm::hopper_mm_out", "cuda", hopper_mm_out)
+    torch.library.register_kernel("compilelm::hopper_mm_rope_out", "cuda", hopper_mm_rope_out)

@@ -25,6 +25,7 @@ class PassConfig:
     fuse_norm_skinny_mm: bool = True  # RMSNormSkinnyMMFusionPass (CUDA): (add +) rms_norm + skinny_mm -> one op
     fuse_act_skinny_mm: bool = True  # SiluMulSkinnyMMFusionPass (CUDA): silu_and_mul + skinny_mm -> one op
     fuse_qkv_rope: bool = True  # QKVRopeFusionPass (CUDA): QKV projection + RoPE + cache write -> one op
+    fuse_norm_gemm: bool = True  # NormGemmFusionPass (CUDA): o/down + add + RMSNorm + gate_up/qkv -> one op
 
     def __post_init__(self):
         for f in fields(self):

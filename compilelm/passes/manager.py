@@ -55,6 +55,9 @@ class PassManager(CustomGraphPass):
         if config.fuse_qkv_rope:  # after RMSNormSkinnyMM: it fuses into the normed projections
             from compilelm.passes.fuse_qkv_rope import QKVRopeFusionPass
             self.post_grad.append(QKVRopeFusionPass(config))
+        if config.fuse_norm_gemm:  # after QKVRope and SiluMulSkinnyMM: it fuses into qkv_rope, skinny_mm_silu_mul
+            from compilelm.passes.fuse_norm_gemm import NormGemmFusionPass
+            self.post_grad.append(NormGemmFusionPass(config))
         # Fusion passes are appended here, in order, each behind its PassConfig switch.
         if config.fuse_allreduce_rms:
             from compilelm.passes.fuse_allreduce_rms import AllReduceRMSNormFusionPass

@@ -1,0 +1,66 @@
+"""Fold a decoder layer's RMSNorm weights into the projection after each norm, at load:
+
+    rms_norm(h, g) @ W.T  ==  rms_norm(h, None) @ T(W * g).T
+
+for input_layernorm -> qkv_proj and post_attention_layernorm -> gate_up_proj. Their norms then
+have no weight, and `passes.fuse_norm_gemm` (compilelm/passes/fuse_norm_gemm.py) can move them into
+the GEMMs around them (compilelm/ops/norm_gemm.py), whose fast path scales a GEMM's accumulators by
+the norm's per-row rstd: that leaves no place for g. Equal in exact arithmetic; in bf16 the
+operand W * g is rounded once where the unfolded model rounds the normed activations times g.
+
+Done only where those ops will take the layer's calls (`applies`): on sm_90 with Triton, bf16/fp16
+weights unquantized, one rank, Llama-family layers without QK-norm whose hidden size makes the
+Hopper GEMM's weights (hidden^2 >= 8M elements, hidden / 64 a power of two: Llama-3.1-8B's 4096),
+with the pass on. Every path of such a model (eager, compiled, CUDA graphs) runs the folded
+weights; a model that does not qualify is left exactly as loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def applies(model: nn.Module, config, dtype: torch.dtype, device: torch.device) -> bool:
+    """config: the engine's (compilation level and passes, quantization, tensor parallel size)."""
+    compilation = config.compilation
+    if (compilation is None or compilation.level == 0 or not compilation.passes.fuse_norm_gemm
+            or config.quantization is not None or config.tensor_parallel_size != 1
+            or dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda"
+            or torch.cuda.get_device_capability(device) != (9, 0)):
+        return False
+    from compilelm.ops import norm_gemm
+    if norm_gemm.triton is None:
+        return False
+    layers = _layers(model)
+    if not layers:
+        return False
+    hidden = layers[0].input_layernorm.weight.shape[0]
+    blocks = hidden // 64
+    return hidden * hidden >= norm_gemm.MIN_WEIGHT and hidden % 128 == 0 and blocks & (blocks - 1) == 0
+
+
+def fold_norm_weights(model: nn.Module) -> int:
+    """Folds every layer's two norm weights into qkv_proj / gate_up_proj; returns the layers folded."""
+    layers = _layers(model)
+    with torch.no_grad():
+        for layer in layers:
+            for norm, linear in ((layer.input_layernorm, layer.self_attn.qkv_proj),
+                                 (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
+                # weight: [N, K]; the norm's g: [K], per input column
+                linear.weight.copy_((linear.weight.float() * norm.weight.float()).to(linear.weight.dtype))
+                norm.weight = None
+    return len(layers)
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a Llama-family model without QK-norm, else []."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        return []
+    ok = all(hasattr(layer, "input_layernorm") and hasattr(layer, "post_attention_layernorm")
+             and isinstance(getattr(layer.input_layernorm, "weight", None), torch.Tensor)
+             and hasattr(layer.self_attn, "qkv_proj") and not hasattr(layer.self_attn, "q_norm")
+             and hasattr(layer.mlp, "gate_up_proj") and layer.mlp.gate_up_proj.weight.dtype.is_floating_point
+             for layer in layers)
+    return list(layers) if ok else []

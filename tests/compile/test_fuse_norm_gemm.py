@@ -1,0 +1,147 @@
+"""NormGemmFusionPass: projection -> residual add -> weightless RMSNorm -> projection (gate_up with
+SiLU-and-mul, or the QKV projection with RoPE and the cache write) becomes one op. The graph is
+traced as Inductor's post-grad graphs look on CUDA (fake CUDA tensors, symbolic M), taken through
+SkinnyMMPass, then rewritten; the result runs on real CPU tensors (the ops' CPU kernels are the
+unfused compositions) against the eager function, bit for bit, the KV cache included. Also the
+load-time fold of the norm weights it relies on (compilelm/models/fold_norms.py)."""
+
+import pytest
+import torch
+from torch.library import opcheck
+
+from compilelm.forward_context import set_forward_context
+from compilelm.layers.layernorm import rms_norm
+from compilelm.models import fold_norms
+from compilelm.passes.fuse_norm_gemm import NormGemmFusionPass
+from tests.compile.test_fuse_qkv_rope import HEAD_DIM, HEADS, HIDDEN, M, WIDTHS, context
+from tests.compile.test_skinny_mm import EPS, skinny_mm_then, targets
+
+ops = torch.ops.compilelm
+INTER = 48
+
+
+def mlp(a, w_o, residual, w_gu):
+    """o_proj, the residual add, the folded (weightless) post-attention norm, gate_up + SiLU-and-mul."""
+    h = torch.mm(a, w_o.t()) + residual
+    return ops.skinny_mm_silu_mul(rms_norm(h, None, EPS), w_gu), h
+
+
+def next_qkv(a, w_d, residual, w_qkv, positions, cos_sin_cache):
+    """down_proj, the residual add, the next layer's folded input norm, its QKV projection + RoPE."""
+    h = torch.mm(a, w_d.t()) + residual
+    return ops.qkv_rope(rms_norm(h, None, EPS), w_qkv, positions, cos_sin_cache, HEADS), h
+
+
+def weighted(a, w_o, residual, norm_w, w_gu):
+    """A norm that kept its weight (not folded): no match."""
+    h = torch.mm(a, w_o.t()) + residual
+    return ops.skinny_mm_silu_mul(rms_norm(h, norm_w, EPS), w_gu), h
+
+
+def shared_product(a, w_o, residual, w_gu):
+    """o_proj's product also feeds something else: no match."""
+    y = torch.mm(a, w_o.t())
+    h = y + residual
+    return ops.skinny_mm_silu_mul(rms_norm(h, None, EPS), w_gu), h, y.sum()
+
+
+def inputs(fn, dtype):
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
+    a, residual, w_o = rand(M, 24), rand(M, HIDDEN), rand(HIDDEN, 24)
+    if fn is next_qkv:
+        return [a, w_o, residual, rand(sum(WIDTHS), HIDDEN), torch.tensor([3, 9, 0]),
+                torch.randn(16, HEAD_DIM, generator=gen)]
+    if fn is weighted:
+        return [a, w_o, residual, (torch.rand(HIDDEN, generator=gen) + 0.5).to(dtype), rand(2 * INTER, HIDDEN)]
+    return [a, w_o, residual, rand(2 * INTER, HIDDEN)]
+
+
+def rewrite(fn, args, dtype):
+    fusion = NormGemmFusionPass()
+    extra = args[-2:] if fn is next_qkv else ()
+    shapes = [tuple(t.shape) for t in (args[:-2] if extra else args)]
+    gm, skinny, _ = skinny_mm_then(fusion, fn, shapes, dtype, extra=extra)
+    return gm, fusion
+
+
+FUSED = {mlp: ops.mm_add_rms_norm_mm_silu_mul.default, next_qkv: ops.mm_add_rms_norm_qkv_rope.default}
+
+
+@pytest.mark.parametrize("fn", [mlp, next_qkv])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_norm_between_projections_fuses(fn, dtype):
+    args = inputs(fn, dtype)
+    gm, fusion = rewrite(fn, args, dtype)
+    t = targets(gm)
+    assert fusion.matches == 1 and t.count(FUSED[fn]) == 1, gm.code
+    assert not {ops.skinny_mm.default, ops.skinny_mm_silu_mul.default, ops.qkv_rope.default, torch.ops.aten.mean.dim,
+                torch.ops.aten.rsqrt.default} & set(t)
+    got_ctx, want_ctx = context(dtype), context(dtype)
+    with set_forward_context(got_ctx):
+        got = gm(*args)
+    with set_forward_context(want_ctx):
+        want = fn(*args)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    for g, w in zip(got_ctx.kv_caches["layer0"], want_ctx.kv_caches["layer0"]):
+        assert torch.equal(g, w)
+    if fn is next_qkv:
+        assert got_ctx.kv_caches["layer0"][0].abs().sum() > 0  # the cache rows were written
+
+
+@pytest.mark.parametrize("fn", [weighted, shared_product])
+def test_weighted_norms_and_shared_products_are_kept(fn):
+    args = inputs(fn, torch.bfloat16)
+    gm, fusion = rewrite(fn, args, torch.bfloat16)
+    assert fusion.matches == 0 and ops.skinny_mm_silu_mul.default in targets(gm)
+
+
+def test_ops_cpu_match_reference_and_opcheck():
+    dtype = torch.bfloat16
+    a, w_o, residual, w_gu = inputs(mlp, dtype)
+    act, h = ops.mm_add_rms_norm_mm_silu_mul(a, w_o, residual, EPS, w_gu)
+    want_act, want_h = mlp(a, w_o, residual, w_gu)
+    assert torch.equal(act, want_act) and torch.equal(h, want_h) and act.shape == (M, INTER)
+    opcheck(ops.mm_add_rms_norm_mm_silu_mul.default, (a, w_o, residual, EPS, w_gu))
+    with pytest.raises(RuntimeError, match="residual"):
+        ops.mm_add_rms_norm_mm_silu_mul(a, w_o, residual[:, :8], EPS, w_gu)
+
+
+def test_fold_moves_norm_weights_into_the_projections():
+    """rms_norm(x, g) @ W.T == rms_norm(x, None) @ (W * g).T: a small Llama's layer in fp32 computes
+    the same QKV and gate_up products after the fold, and its two norms have no weight."""
+    from compilelm.models.loader import build_model, load_model_config, resolve_model
+
+    source = resolve_model("dummy:smollm2-135m")
+    config = load_model_config(source, {"num_hidden_layers": 2})
+    model = build_model(source, config, torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for layer in model.model.layers:  # dummy norms are ones: make the fold matter
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.data = torch.rand(norm.weight.shape, generator=gen) + 0.5
+    x = torch.randn(3, config.hidden_size, generator=gen)
+    layer = model.model.layers[1]
+
+    def products():
+        return (layer.self_attn.qkv_proj(layer.input_layernorm(x)),
+                layer.mlp.gate_up_proj(layer.post_attention_layernorm(x)))
+
+    before = products()
+    assert fold_norms.fold_norm_weights(model) == 2
+    assert layer.input_layernorm.weight is None and layer.post_attention_layernorm.weight is None
+    for got, want in zip(products(), before):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert model.model.norm.weight is not None  # the final norm (before the LM head) is kept
+
+
+def test_fold_applies_only_where_the_fused_kernels_run():
+    from compilelm.config import EngineConfig
+    from compilelm.models.loader import build_model, load_model_config, resolve_model
+
+    source = resolve_model("dummy:smollm2-135m")
+    model = build_model(source, load_model_config(source, {"num_hidden_layers": 1}), torch.float32,
+                        torch.device("cpu"))
+    config = EngineConfig(model="dummy:smollm2-135m")
+    assert not fold_norms.applies(model, config, torch.bfloat16, torch.device("cpu"))  # no sm_90 here
+    assert fold_norms._layers(model)  # a Llama-family model without QK-norm: the fold's shape
