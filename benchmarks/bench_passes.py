@@ -79,13 +79,15 @@ E2E_CASES = [  # (fusion, model, quantization, switch turned off)
     ("silu_mul+skinny_mm", "dummy:smollm2-135m", None, "fuse_act_skinny_mm"),
     ("gate_up skinny_mm+silu_mul, 8B", "dummy:llama-3.1-8b", None, "fuse_act_skinny_mm"),  # (the 3-64-row epilogue)
     ("qkv projection+rope+cache write", "dummy:smollm2-135m", None, "fuse_qkv_rope"),
+    ("o/down+add+rms_norm+gate_up/qkv, 8B", "dummy:llama-3.1-8b", None, "fuse_norm_gemm"),  # (folds the norms: sm_90)
 ]
 
 
 SWITCH_PASS = {"fuse_rope_attention": "RopeAttentionFusionPass", "fuse_norm_quant": "RMSNormQuantFusionPass",
                "fuse_act_quant": "SiluMulQuantFusionPass", "unfuse_residual_addmm": "UnfuseResidualAddmmPass",
                "skinny_mm": "SkinnyMMPass", "fuse_norm_skinny_mm": "RMSNormSkinnyMMFusionPass",
-               "fuse_act_skinny_mm": "SiluMulSkinnyMMFusionPass", "fuse_qkv_rope": "QKVRopeFusionPass"}
+               "fuse_act_skinny_mm": "SiluMulSkinnyMMFusionPass", "fuse_qkv_rope": "QKVRopeFusionPass",
+               "fuse_norm_gemm": "NormGemmFusionPass"}
 
 
 def bench(fn, args, iters: int, device: torch.device, repeats: int = 5) -> float:
