@@ -154,14 +154,19 @@ def _add_qkv_rope_fake(x, residual, *args):
     return _qkv_rope_fake(x, *args), x.new_empty(x.shape)
 
 
+def _into_next_cache(num_heads: int) -> tuple:
+    """The QKV-projection ops' last arguments: the next attention layer's key and value caches, the
+    step's slot mapping, and the head count."""
+    ctx = get_forward_context()
+    return (*ctx.next_kv_cache(), ctx.attn_metadata.slot_mapping, num_heads)
+
+
 @_define("qkv_rope(Tensor x, Tensor weight, Tensor positions, Tensor cos_sin_cache, int num_heads) -> Tensor",
          _qkv_rope_fake)
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
              num_heads: int) -> torch.Tensor:
     # rope_cache of the q | k | v of x @ weight.T -> rotated q [num_tokens, num_heads * head_dim]
-    ctx = get_forward_context()
-    q = ops.skinny_mm_rope(x, weight, positions, cos_sin_cache, *ctx.next_kv_cache(), ctx.attn_metadata.slot_mapping,
-                           num_heads)
+    q = ops.skinny_mm_rope(x, weight, positions, cos_sin_cache, *_into_next_cache(num_heads))
     return q.view(x.shape[0], -1)
 
 
@@ -170,9 +175,8 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos
 def rms_norm_qkv_rope(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                       positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
     # rope_cache of the q | k | v of rms_norm(x) @ weight.T -> rotated q [num_tokens, num_heads * head_dim]
-    ctx = get_forward_context()
-    q = ops.rms_norm_skinny_mm_rope(x, norm_weight, eps, weight, positions, cos_sin_cache, *ctx.next_kv_cache(),
-                                    ctx.attn_metadata.slot_mapping, num_heads)
+    q = ops.rms_norm_skinny_mm_rope(x, norm_weight, eps, weight, positions, cos_sin_cache,
+                                    *_into_next_cache(num_heads))
     return q.view(x.shape[0], -1)
 
 
@@ -182,10 +186,8 @@ def fused_add_rms_norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor, norm_we
                                 weight: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                                 num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     # the same of rms_norm(x + residual) -> (rotated q, x + residual)
-    ctx = get_forward_context()
     q, residual = ops.fused_add_rms_norm_skinny_mm_rope(x, residual, norm_weight, eps, weight, positions,
-                                                        cos_sin_cache, *ctx.next_kv_cache(),
-                                                        ctx.attn_metadata.slot_mapping, num_heads)
+                                                        cos_sin_cache, *_into_next_cache(num_heads))
     return q.view(x.shape[0], -1), residual
 
 
@@ -200,10 +202,8 @@ def mm_add_rms_norm_qkv_rope(x: torch.Tensor, weight: torch.Tensor, residual: to
                              num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     # qkv_rope of rms_norm(h) (no weight: folded into weight2), h = x @ weight.T + residual
     # (compilelm/ops/norm_gemm.py) -> (rotated q [num_tokens, num_heads * head_dim], h)
-    ctx = get_forward_context()
     q, h = torch.ops.compilelm.mm_add_rms_norm_mm_rope(x, weight, residual, eps, weight2, positions, cos_sin_cache,
-                                                       *ctx.next_kv_cache(), ctx.attn_metadata.slot_mapping,
-                                                       num_heads)
+                                                       *_into_next_cache(num_heads))
     return q.view(x.shape[0], -1), h
 
 

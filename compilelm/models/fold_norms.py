@@ -61,6 +61,5 @@ def _layers(model: nn.Module) -> list[nn.Module]:
     ok = all(hasattr(layer, "input_layernorm") and hasattr(layer, "post_attention_layernorm")
              and isinstance(getattr(layer.input_layernorm, "weight", None), torch.Tensor)
              and hasattr(layer.self_attn, "qkv_proj") and not hasattr(layer.self_attn, "q_norm")
-             and hasattr(layer.mlp, "gate_up_proj") and layer.mlp.gate_up_proj.weight.dtype.is_floating_point
-             for layer in layers)
+             and hasattr(layer.mlp, "gate_up_proj") for layer in layers)
     return list(layers) if ok else []

@@ -140,7 +140,7 @@ if triton is not None:
     def hopper_mm_out(x, weight, out, pdl, silu_mul=False, norm=None):
         # x: [M <= 64, K]; weight: [N, K]; out: [M, N] (silu_mul: [M, N / 2]; row stride out.stride(0));
         # bf16/fp16, 16-byte aligned rows (the C++ caller checks). norm (compilelm/ops/norm_gemm.py):
-        # (partials [NP, PART_ROWS] fp32, eps): x is un-normed, out = rms_norm(x) @ weight.T as above
+        # (partials [NP, PART_ROWS] fp32, eps): x is an un-normed h, each row's product scaled by its rstd
         n, k = weight.shape
         cols = n // 2 if silu_mul else n
         torch._check(1 <= x.shape[0] <= 64 and x.shape[1] == k and out.shape == (x.shape[0], cols)

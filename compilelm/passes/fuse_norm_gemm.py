@@ -38,8 +38,7 @@ import operator
 
 import torch
 
-import compilelm.layers.attention  # noqa: F401  (defines the layer ops this pass rewrites to)
-import compilelm.ops.norm_gemm  # noqa: F401
+import compilelm.layers.attention  # noqa: F401  (defines the ops this pass rewrites to; imports compilelm.ops)
 from compilelm.passes.base import CompilePass
 
 ops = torch.ops.compilelm
