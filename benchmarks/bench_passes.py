@@ -12,8 +12,10 @@ compositions there, so CPU numbers measure the rewrite, not a kernel).
 (b) End to end (default on CUDA): an engine per setting, default -O2 (every pass on) vs the same
 with one fusion switched off, each built and measured in a process of its own (`--rounds`
 measurements, medians; see run_isolated): decode step time (median `engine.step()`, and the decode
-CUDA graph's GPU time alone) at batch 1 and 64 with `--context` tokens of context, and the step that
-prefills one `--prefill`-token prompt (median of 3). RMSNorm+quant and SiLU+quant run the model in
+CUDA graph's GPU time alone) at batch 1 and 64 with `--context` tokens of context, and one
+`--prefill`-token prompt from add_request to its token on the host (median of 3; that is the
+prefill step's GPU time plus one step's host work, since with async scheduling step() returns
+before the GPU is done). RMSNorm+quant and SiLU+quant run the model in
 FP8 mode (`quantization="fp8"`); QK-norm+RoPE runs Qwen3-0.6B.
 
     python benchmarks/bench_passes.py                       # CUDA if available: (a) + (b)
@@ -230,10 +232,9 @@ def measure(engine, args) -> dict:
     for i in range(4):  # the first warms up
         engine.add_request(None, prompts(1, args.prefill, engine.model_config.vocab_size, 1000 + i)[0], params)
         t0 = time.perf_counter()
-        engine.step()
-        times.append((time.perf_counter() - t0) * 1e3)
-        while engine.has_unfinished_requests():
+        while engine.has_unfinished_requests():  # (async scheduling: the first step() only launches the prefill)
             engine.step()
+        times.append((time.perf_counter() - t0) * 1e3)  # the prompt's step, to its token on the host
     out[f"prefill_{args.prefill}_ms"] = statistics.median(times[1:])
     return out
 
