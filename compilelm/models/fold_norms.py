@@ -9,10 +9,10 @@ the norm's per-row rstd: that leaves no place for g. Equal in exact arithmetic; 
 operand W * g is rounded once where the unfolded model rounds the normed activations times g.
 
 Done only where those ops will take the layer's calls (`applies`): on sm_90 with Triton, bf16/fp16
-weights unquantized, one rank, Llama-family layers without QK-norm whose hidden size makes the
-Hopper GEMM's weights (hidden^2 >= 8M elements, hidden / 64 a power of two: Llama-3.1-8B's 4096),
-with the pass on. Every path of such a model (eager, compiled, CUDA graphs) runs the folded
-weights; a model that does not qualify is left exactly as loaded.
+weights unquantized, one rank, Llama-family layers without QK-norm whose shapes both ops take
+(`fits`: Llama-3.1-8B's), with the pass and the passes that make its inputs (skinny_mm, and
+fuse_act_skinny_mm or fuse_qkv_rope) on. Every path of such a model (eager, compiled, CUDA graphs)
+runs the folded weights; a model that does not qualify is left exactly as loaded.
 """
 
 from __future__ import annotations
@@ -24,20 +24,33 @@ from torch import nn
 def applies(model: nn.Module, config, dtype: torch.dtype, device: torch.device) -> bool:
     """config: the engine's (compilation level and passes, quantization, tensor parallel size)."""
     compilation = config.compilation
-    if (compilation is None or compilation.level == 0 or not compilation.passes.fuse_norm_gemm
+    passes = compilation.passes if compilation is not None else None
+    if (compilation is None or compilation.level == 0 or not passes.fuse_norm_gemm or not passes.skinny_mm
+            or not (passes.fuse_act_skinny_mm or passes.fuse_qkv_rope)
             or config.quantization is not None or config.tensor_parallel_size != 1
             or dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda"
             or torch.cuda.get_device_capability(device) != (9, 0)):
         return False
     from compilelm.ops import norm_gemm
-    if norm_gemm.triton is None:
-        return False
+    return norm_gemm.triton is not None and fits(model)
+
+
+def fits(model: nn.Module) -> bool:
+    """Whether both fused ops take the layers' shapes: hidden^2 >= 8M elements and hidden / 64 a
+    power of two (the Hopper GEMM's and the partial sums'), and gate_up_proj wider than
+    `passes.fuse_act_skinny_mm` moves the SiLU out of (past MAX_INTERMEDIATE the SiLU-and-mul is
+    gate_up's epilogue, which the MLP side fuses into; below, down_proj's prologue, and neither
+    side matches)."""
+    from compilelm.ops.norm_gemm import MIN_WEIGHT
+    from compilelm.passes.fuse_act_skinny_mm import MAX_INTERMEDIATE
+
     layers = _layers(model)
     if not layers:
         return False
     hidden = layers[0].input_layernorm.weight.shape[0]
     blocks = hidden // 64
-    return hidden * hidden >= norm_gemm.MIN_WEIGHT and hidden % 128 == 0 and blocks & (blocks - 1) == 0
+    return (hidden * hidden >= MIN_WEIGHT and hidden % 128 == 0 and blocks & (blocks - 1) == 0
+            and layers[0].mlp.gate_up_proj.weight.shape[0] // 2 > MAX_INTERMEDIATE)
 
 
 def fold_norm_weights(model: nn.Module) -> int:

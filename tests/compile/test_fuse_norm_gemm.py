@@ -145,3 +145,19 @@ def test_fold_applies_only_where_the_fused_kernels_run():
     config = EngineConfig(model="dummy:smollm2-135m")
     assert not fold_norms.applies(model, config, torch.bfloat16, torch.device("cpu"))  # no sm_90 here
     assert fold_norms._layers(model)  # a Llama-family model without QK-norm: the fold's shape
+    assert not fold_norms.fits(model)  # hidden 576: too small for the Hopper GEMM
+
+
+@pytest.mark.parametrize("overrides, fits", [({}, True), ({"intermediate_size": 2048}, False),
+                                             ({"hidden_size": 3072, "num_attention_heads": 24}, False)])
+def test_fold_fits_only_the_shapes_both_ops_take(overrides, fits):
+    """Llama-3.1-8B's layer fits; with intermediate 2048 fuse_act_skinny_mm moves the SiLU into
+    down_proj (no skinny_mm_silu_mul, no skinny_mm before the QKV norm), and hidden 3072 / 64 = 48
+    blocks is no power of two. (Shapes only: the model is built on the meta device.)"""
+    from compilelm.models.loader import load_model_config, resolve_model
+    from compilelm.models.registry import get_model_class
+
+    config = load_model_config(resolve_model("dummy:llama-3.1-8b"), {"num_hidden_layers": 1, **overrides})
+    with torch.device("meta"):
+        model = get_model_class(config)(config)
+    assert fold_norms.fits(model) == fits

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
                             or norm_gemm.triton is None, reason="the fold and the fused path are sm_90's")
 
-CONFIG = dict(vocab_size=1000, hidden_size=4096, intermediate_size=2048, num_hidden_layers=2,
+CONFIG = dict(vocab_size=1000, hidden_size=4096, intermediate_size=4096, num_hidden_layers=2,
               num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=512,
               rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 PROMPT_LEN, NUM_PROMPTS, MAX_TOKENS = 40, 8, 12
