@@ -302,11 +302,11 @@ def run_isolated(fn, *fn_args):
     return value
 
 
-def e2e_rows(args) -> list[dict]:
+def e2e_rows(args, rows: list[dict], save=lambda: None) -> list[dict]:
     """Each case: the all-on engine (measured once per model and quantization) and the one with
     the case's switch off, each in a process of its own (run_isolated), `--rounds` measurements
-    each (medians)."""
-    rows = []
+    each (medians). Appends to `rows` and calls `save` after each case (a run cut short by a
+    timeout keeps the cases it finished)."""
     bases = {}  # (model, quantization) -> the all-on engine's (rounds, info)
     for fusion, model, quant, switch in E2E_CASES:
         if fusion not in args.cases:
@@ -331,6 +331,7 @@ def e2e_rows(args) -> list[dict]:
             if on[key] and off[key]:
                 row["speedup"] = off[key] / on[key]
             rows.append(row)
+        save()
     return rows
 
 
@@ -371,7 +372,7 @@ def main(argv=None) -> dict:
         pieces += attention_piece_rows(args, device)
         write_result(name, payload, args.out)
     if e2e:
-        end_to_end += e2e_rows(args)
+        e2e_rows(args, end_to_end, lambda: write_result(name, payload, args.out))
     path = write_result(name, payload, args.out)
     if pieces:
         print(f"\nper piece ({device.type}, us per call)")
