@@ -41,8 +41,10 @@ def fits(model: nn.Module) -> bool:
     `passes.fuse_act_skinny_mm` moves the SiLU out of (past MAX_INTERMEDIATE the SiLU-and-mul is
     gate_up's epilogue, which the MLP side fuses into; below, down_proj's prologue, and neither
     side matches)."""
+    # (not from compilelm.passes: the worker calls this while a thread imports the compiler, and two
+    # threads importing Inductor at once can meet a partly initialized module)
+    from compilelm.ops.linear import MAX_INTERMEDIATE
     from compilelm.ops.norm_gemm import MIN_WEIGHT
-    from compilelm.passes.fuse_act_skinny_mm import MAX_INTERMEDIATE
 
     layers = _layers(model)
     if not layers:

@@ -17,6 +17,9 @@ from compilelm.layers.activation import SiluAndMul
 from compilelm.layers.layernorm import rms_norm
 
 _silu_and_mul = SiluAndMul()
+# silu_mul_skinny_mm's widest input (down_proj's K): each block recomputes the activations of the
+# whole row (passes.fuse_act_skinny_mm fuses the SiLU into down_proj up to here, else into gate_up_proj)
+MAX_INTERMEDIATE = 2048
 
 
 def skinny_mm(x: Tensor, weight: Tensor) -> Tensor:

@@ -42,11 +42,11 @@ import torch
 
 import compilelm.ops  # noqa: F401  (defines the ops the patterns use)
 from compilelm.layers.activation import SiluAndMul
+from compilelm.ops.linear import MAX_INTERMEDIATE  # the largest K that fuses into down_proj (see above)
 from compilelm.passes.skinny_mm import SkinnyMMFusionPass
 
 ops = torch.ops.compilelm
 _silu_and_mul = SiluAndMul()  # no parameters: the model's own forward is the pattern
-MAX_INTERMEDIATE = 2048  # the largest K (down_proj's input size) that fuses (see above)
 
 
 def pattern_silu_mul_skinny_mm(x, weight):

@@ -161,3 +161,28 @@ def test_fold_fits_only_the_shapes_both_ops_take(overrides, fits):
     with torch.device("meta"):
         model = get_model_class(config)(config)
     assert fold_norms.fits(model) == fits
+
+
+def test_fold_check_leaves_the_compiler_to_the_priming_thread():
+    """The worker calls fold_norms.applies while its thread imports the compiler
+    (worker._prime_compiler): a second import of Inductor's modules from the main thread at that time
+    met a partly initialized module on the H100 (ImportError, torch._inductor.utils). Deciding the
+    fold imports nothing of compilelm.passes, compilelm.graphs or torch beyond what building the
+    model did."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch
+from compilelm.models import fold_norms
+from compilelm.models.loader import load_model_config, resolve_model
+from compilelm.models.registry import get_model_class
+config = load_model_config(resolve_model("dummy:llama-3.1-8b"), {"num_hidden_layers": 1})
+with torch.device("meta"):
+    model = get_model_class(config)(config)
+before = set(sys.modules)
+assert fold_norms.fits(model)
+print(sorted(m for m in set(sys.modules) - before if m.startswith(("compilelm.passes", "torch.", "compilelm.graphs"))))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
