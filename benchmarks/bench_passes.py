@@ -15,9 +15,9 @@ measurements, medians; see run_isolated): decode step time (median `engine.step(
 CUDA graph's GPU time alone) at batch 1 and 64 with `--context` tokens of context, and one
 `--prefill`-token prompt from add_request to its token on the host (median of 3; that is the
 prefill step's GPU time plus one step's host work, since with async scheduling step() returns
-before the GPU is done). With few layers (scripts/gpu_bench.sh runs 4) a decode step is host-bound
-and its time moves with the process (+-30% between engines of one run): read the graph columns
-there. RMSNorm+quant and SiLU+quant run the model in FP8 mode (`quantization="fp8"`); QK-norm+RoPE
+before the GPU is done). With few layers (scripts/gpu_bench.sh runs 4) a decode step, and a small
+model's prefill, is host-bound and its time moves with the process (+-30-50% between engines of one
+run): read the graph columns there. RMSNorm+quant and SiLU+quant run the model in FP8 mode (`quantization="fp8"`); QK-norm+RoPE
 runs Qwen3-0.6B.
 
     python benchmarks/bench_passes.py                       # CUDA if available: (a) + (b)
