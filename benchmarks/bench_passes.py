@@ -22,6 +22,8 @@ runs Qwen3-0.6B.
 
     python benchmarks/bench_passes.py                       # CUDA if available: (a) + (b)
     python benchmarks/bench_passes.py --device cpu          # CPU: (a) only, 1 thread
+    python benchmarks/bench_passes.py --no-pieces --custom-pass examples.my_fusion_pass:MeanSquareFusionPass
+                                                            # (b) for a pass of your own, with vs without it
 """
 
 from __future__ import annotations
@@ -194,9 +196,10 @@ def attention_piece_rows(args, device) -> list[dict]:
     return rows
 
 
-def build_engine(model: str, quantization: str | None, off: str | None, args):
-    """An engine at -O2 with the switch `off` turned off (None: every pass on), and what its start
-    found: seconds and the passes' matches (None when a cached compile ran no pass)."""
+def build_engine(model: str, quantization: str | None, off: str | None, args, custom: str | None = None):
+    """An engine at -O2 with the switch `off` turned off (None: every pass on) and the pass `custom`
+    ("package.module:Class") added, and what its start found: seconds and the passes' matches (None
+    when a cached compile ran no pass)."""
     from compilelm import LLM
 
     from benchmarks.bench_decode import decode_tokens
@@ -208,7 +211,8 @@ def build_engine(model: str, quantization: str | None, off: str | None, args):
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="compilelm-passes-") as tmp, watch_compiles() as compiled:
         compilation = {"cudagraph_capture_sizes": args.batches, "passes": {off: False} if off else {},
-                       "cache_dir": args.cache_dir or tmp}  # a fresh cache: the passes run and count matches
+                       "cache_dir": args.cache_dir or tmp,  # a fresh cache: the passes run and count matches
+                       "custom_passes": (custom,) if custom else ()}
         llm = LLM(model, dtype="bfloat16" if torch.cuda.is_available() else "auto", quantization=quantization,
                   max_model_len=max_len, max_num_seqs=max(args.batches), max_num_batched_tokens=step_tokens,
                   num_kv_blocks=blocks, enable_prefix_caching=False, compilation_config=compilation,
@@ -253,13 +257,14 @@ def free(llm) -> None:
         torch.cuda.empty_cache()
 
 
-def matches(info: dict, switch: str) -> int | str:
-    return "cached" if info["matches"] is None else info["matches"].get(SWITCH_PASS[switch], 0)
+def matches(info: dict, pass_name: str) -> int | str:
+    return "cached" if info["matches"] is None else info["matches"].get(pass_name, 0)
 
 
-def measure_engine(model: str, quantization: str | None, off: str | None, args) -> tuple[list[dict], dict]:
+def measure_engine(model: str, quantization: str | None, off: str | None, args,
+                   custom: str | None = None) -> tuple[list[dict], dict]:
     """Build one engine, `--rounds` rounds of measure(), free it: (the rounds, build_engine's info)."""
-    llm, info = build_engine(model, quantization, off, args)
+    llm, info = build_engine(model, quantization, off, args, custom)
     try:
         return [measure(llm.engine, args) for _ in range(args.rounds)], info
     finally:
@@ -304,32 +309,47 @@ def run_isolated(fn, *fn_args):
     return value
 
 
+def e2e_cases(args) -> list[tuple]:
+    """(fusion, model, quantization, pass name, on setting, off setting); a setting is (the switch
+    turned off, the custom pass added). Built-in fusions: every pass on vs the case's switch off.
+    `--custom-pass`: every built-in pass on, with vs without the custom one."""
+    cases = [(fusion, model, quant, SWITCH_PASS[switch], (None, None), (switch, None))
+             for fusion, model, quant, switch in E2E_CASES if fusion in args.cases]
+    for spec in args.custom_pass:
+        name = spec.split(",")[0].rpartition(":")[2]  # "pkg.mod:Class[,stage=...]" -> Class
+        cases.append((name, args.custom_model, None, name, (None, spec), (None, None)))
+    return cases
+
+
 def e2e_rows(args, rows: list[dict], save=lambda: None) -> list[dict]:
-    """Each case: the all-on engine (measured once per model and quantization) and the one with
-    the case's switch off, each in a process of its own (run_isolated), `--rounds` measurements
-    each (medians). Appends to `rows` and calls `save` after each case (a run cut short by a
-    timeout keeps the cases it finished)."""
-    bases = {}  # (model, quantization) -> the all-on engine's (rounds, info)
-    for fusion, model, quant, switch in E2E_CASES:
-        if fusion not in args.cases:
-            continue
+    """Each case: the engines of its two settings, each in a process of its own (run_isolated),
+    `--rounds` measurements each (medians); an engine shared by cases (the all-on one of a model
+    and quantization) is measured once. Appends to `rows` and calls `save` after each case (a run
+    cut short by a timeout keeps the cases it finished)."""
+    engines = {}  # (model, quantization, setting) -> (rounds, build_engine's info)
+
+    def engine(model, quant, setting):
+        if (model, quant, setting) not in engines:
+            off, custom = setting
+            engines[model, quant, setting] = run_isolated(measure_engine, model, quant, off, args, custom)
+        return engines[model, quant, setting]
+
+    for fusion, model, quant, pass_name, on_setting, off_setting in e2e_cases(args):
         try:
-            if (model, quant) not in bases:
-                bases[model, quant] = run_isolated(measure_engine, model, quant, None, args)
-            on_samples, on_info = bases[model, quant]
-            off_samples, off_info = run_isolated(measure_engine, model, quant, switch, args)
+            on_samples, on_info = engine(model, quant, on_setting)
+            off_samples, off_info = engine(model, quant, off_setting)
         except Exception as e:
             rows.append({"fusion": fusion, "model": model, "error": f"{type(e).__name__}: {e}"[:300]})
             print(f"{fusion}: FAILED {rows[-1]['error']}", flush=True)
             continue
         on, off = medians(on_samples), medians(off_samples)
-        print(f"{fusion} ({model}, quantization={quant}): on {on} | {switch} off {off}", flush=True)
+        print(f"{fusion} ({model}, quantization={quant}): on {on} | off {off}", flush=True)
         for key in on:
             if on[key] is None and off[key] is None:
                 continue
             row = {"fusion": fusion, "model": model.split(":")[-1] + (" fp8" if quant else ""), "measure": key,
-                   "on_ms": on[key], "off_ms": off[key], "matches_on": matches(on_info, switch),
-                   "matches_off": matches(off_info, switch), "rounds": args.rounds}
+                   "on_ms": on[key], "off_ms": off[key], "matches_on": matches(on_info, pass_name),
+                   "matches_off": matches(off_info, pass_name), "rounds": args.rounds}
             if on[key] and off[key]:
                 row["speedup"] = off[key] / on[key]
             rows.append(row)
@@ -346,8 +366,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--piece-layers", type=int, default=2, help="layers of the attention-fusion pieces")
     ap.add_argument("--no-pieces", action="store_true")
     ap.add_argument("--e2e", action=argparse.BooleanOptionalAction, default=None, help="default: on for CUDA")
-    ap.add_argument("--cases", nargs="+", choices=[c[0] for c in E2E_CASES], default=[c[0] for c in E2E_CASES],
-                    help="end to end: the fusions to switch off one at a time")
+    ap.add_argument("--cases", nargs="*", choices=[c[0] for c in E2E_CASES], default=None,
+                    help="end to end: the fusions to switch off one at a time (default: all, or none with --custom-pass)")
+    ap.add_argument("--custom-pass", action="append", default=[], metavar="PKG.MODULE:CLASS",
+                    help="end to end: a pass of your own (as compilation_config's custom_passes), with vs without "
+                         "it on top of the built-in ones; repeatable")
+    ap.add_argument("--custom-model", default="dummy:smollm2-135m", help="end to end: the model --custom-pass runs")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64], help="end to end: decode batch sizes")
     ap.add_argument("--context", type=int, default=512, help="end to end: decode context")
     ap.add_argument("--steps", type=int, default=32, help="end to end: timed decode steps")
@@ -357,6 +381,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--cache-dir", default=None, help="end to end: compile cache (default: a fresh one per engine)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.cases is None:
+        args.cases = [] if args.custom_pass else [c[0] for c in E2E_CASES]
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")
     if device.type == "cpu":

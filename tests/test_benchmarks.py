@@ -42,9 +42,9 @@ def test_passes_end_to_end_measures_each_engine_once(tmp_path, monkeypatch):
     built, measured = [], []
     build, measure = bench_passes.build_engine, bench_passes.measure
 
-    def counting_build(model, quant, off, args):
+    def counting_build(model, quant, off, args, custom=None):
         built.append(off)
-        llm, info = build(model, quant, off, args)
+        llm, info = build(model, quant, off, args, custom)
         llm.engine.setting = off
         return llm, info
 
@@ -63,6 +63,22 @@ def test_passes_end_to_end_measures_each_engine_once(tmp_path, monkeypatch):
     rows = payload["e2e_rows"]
     assert {r["measure"] for r in rows} == {"decode_b1_ms", "prefill_32_ms"} and len(rows) == 4
     assert all(r["rounds"] == 2 and r["on_ms"] > 0 and r["off_ms"] > 0 and r["matches_on"] == 0 for r in rows)
+
+
+def test_passes_end_to_end_measures_a_custom_pass(tmp_path, monkeypatch):
+    """bench_passes --custom-pass on CPU, 1 layer: the docs' example pass, with vs without it on top
+    of the built-in passes; it matches in the "on" engine only (fresh compile caches), and with
+    --custom-pass alone no built-in case runs."""
+    from benchmarks import bench_passes
+
+    monkeypatch.setattr(bench_passes, "run_isolated", lambda fn, *args: fn(*args))
+    payload = bench_passes.main(["--device", "cpu", "--no-pieces", "--e2e", "--custom-pass",
+                                 "examples.my_fusion_pass:MeanSquareFusionPass", "--layers", "1", "--batches", "1",
+                                 "--context", "16", "--steps", "2", "--prefill", "32", "--rounds", "1",
+                                 "--out", str(tmp_path / "passes.json")])
+    rows = payload["e2e_rows"]
+    assert {r["fusion"] for r in rows} == {"MeanSquareFusionPass"} and len(rows) == 2
+    assert all(r["matches_on"] > 0 and r["matches_off"] == 0 and r["model"] == "smollm2-135m" for r in rows)
 
 
 def test_run_isolated():
