@@ -66,6 +66,8 @@ def _print_summary(data: dict, dump_dir: str | None) -> None:
     out.write(f"pieces: {c['pieces']} ({c['unique_pieces']} unique), Inductor compiles: {c['inductor_compiles']}, "
               f"loaded from cache: {c['artifacts_loaded']}\n")
     out.write("times: " + ", ".join(f"{k} {v:.2f}s" for k, v in t.items()) + "\n")
+    for rewrite in data.get("load_rewrites", []):
+        out.write(f"  at load: {rewrite}\n")
     for p in data["passes"]:
         err = "" if p["max_error"] is None else f"  max error {p['max_error']:.3g}"
         note = f"  ({p['verify_error']})" if p["verify_error"] else ""

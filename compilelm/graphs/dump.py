@@ -91,6 +91,7 @@ def report_data(cm) -> dict:
         "pass_uuids": cm.manager.uuids(),
         "pieces": backend.pieces if backend else [],
         "cache_key_factors": cm.factors,
+        "load_rewrites": list(getattr(cm.model, "load_rewrites", [])),  # the weights changed before tracing
         "depyf_error": cm.depyf_error,
     }
 
@@ -118,7 +119,7 @@ def _sections(data: dict) -> list[tuple[str, list[str], list[list]]]:
     counters = [[k, v] for k, v in {**data["counters"], **{f"inductor.{k}": v for k, v in data["inductor_counters"].items()}}.items()]
     factors = [[k, json.dumps(v, sort_keys=True, default=str)] for k, v in data["cache_key_factors"].items()]
     summary = [["mode", data["mode"]], ["cache key", data["cache"]["key"]], ["cache dir", data["cache"]["dir"]],
-               ["depyf", data["depyf_error"] or "ok"]]
+               ["load-time rewrites", "<br>".join(data["load_rewrites"]) or "none"], ["depyf", data["depyf_error"] or "ok"]]
     return [
         ("Summary", ["", ""], summary),
         ("Compile times (s)", ["stage", "seconds"], times),

@@ -65,6 +65,10 @@ def fold_norm_weights(model: nn.Module) -> int:
                 # weight: [N, K]; the norm's g: [K], per input column
                 linear.weight.copy_((linear.weight.float() * norm.weight.float()).to(linear.weight.dtype))
                 norm.weight = None
+    # what `compilelm compile --dump` reports beside the passes (graphs/dump.py)
+    model.load_rewrites = [*getattr(model, "load_rewrites", []),
+                           f"fold_norms: the input and post-attention RMSNorm weights of {len(layers)} layers folded "
+                           "into qkv_proj and gate_up_proj (for passes.fuse_norm_gemm)"]
     return len(layers)
 
 

@@ -12,6 +12,7 @@ from tests.compile.toy_model import ToyModel, inputs
 
 def test_dump_contents_and_report(make_config, tmp_path):
     model = ToyModel(num_layers=3)
+    model.load_rewrites = ["toy: nothing folded"]  # as compilelm/models/fold_norms.py records its fold
     dump = tmp_path / "dump"
     cm = CompiledModel(model, make_config(dump_dir=str(dump), verify_passes=True), {"toy": "dump"})
     fn = cm.compile()
@@ -29,6 +30,7 @@ def test_dump_contents_and_report(make_config, tmp_path):
     report = json.loads((dump / "report.json").read_text())
     # numbers in the report are the counters of this compilation
     assert report["counters"] == cm.counters
+    assert report["load_rewrites"] == ["toy: nothing folded"] and "toy: nothing folded" in (dump / "report.md").read_text()
     assert report["counters"]["pieces"] == 4 == len(report["pieces"])
     assert report["counters"]["unique_pieces"] == 3 == len({p["key"] for p in report["pieces"]})
     assert report["counters"]["inductor_compiles"] == 3 == len([f for f in os.listdir(dump / "inductor") if f.endswith(".py")])

@@ -130,6 +130,7 @@ def test_fold_moves_norm_weights_into_the_projections():
     before = products()
     assert fold_norms.fold_norm_weights(model) == 2
     assert layer.input_layernorm.weight is None and layer.post_attention_layernorm.weight is None
+    assert len(model.load_rewrites) == 1 and "of 2 layers" in model.load_rewrites[0]  # for the --dump report
     for got, want in zip(products(), before):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert model.model.norm.weight is not None  # the final norm (before the LM head) is kept
