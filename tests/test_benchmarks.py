@@ -129,12 +129,17 @@ def test_decode_timing_keeps_every_request_decoding():
     assert engine.scheduler.num_running < batch
 
 
+def startup_run(ready, **stages):
+    """One of bench_compile's child-engine results, with the stages given (the rest 0)."""
+    from benchmarks.bench_compile import STAGES
+
+    return {"ready_s": ready, "num_graphs": 3, "stages": {k: stages.get(k, 0.0) for k in STAGES}}
+
+
 def test_startup_rows_judge_compile_capture_and_ready():
-    from benchmarks.bench_compile import STAGES, startup_rows
+    from benchmarks.bench_compile import startup_rows
 
-    def run(ready, **stages):
-        return {"ready_s": ready, "num_graphs": 3, "stages": {k: stages.get(k, 0.0) for k in STAGES}}
-
+    run = startup_run
     runs = {"cold": run(18.0, imports=3.0, dynamo=5.0, passes_lowering=3.0, inductor=2.5, capture=2.0),
             "warm": run(6.5, imports=3.5, cache_load=0.5, capture=1.5),
             "warm_ready_s": [6.0, 6.5, 7.2]}
@@ -159,3 +164,23 @@ def test_summary_names_the_ab_rows(tmp_path):
     got = {r["case"]: r["status"] for r in summary(str(tmp_path))}
     assert got == {"llama-3.1-8b b64 ctx1024": "MISSED", "llama-3.1-8b b64 ctx1024 cuBLAS": "MISSED",
                    "llama-3.1-8b b64 ctx1024 no PDL": "met"}
+
+
+def test_summary_judges_startup_on_compile_and_capture(tmp_path):
+    """The summary's compile rows: judged on compile + capture (bench_compile's `met`), with the
+    process-start -> ready time and its own verdict beside it; an old row without
+    compile_capture_s still prints."""
+    from benchmarks.bench_compile import startup_rows
+    from benchmarks.common import summary
+
+    run = startup_run
+    runs = {"cold": run(18.0, dynamo=5.0, inductor=2.5, capture=2.0), "warm": run(6.5, cache_load=0.5, capture=1.5),
+            "warm_ready_s": [6.5]}
+    rows = startup_rows("dummy:smollm2-135m", runs) + [{"model": "dummy:old", "run": "warm", "ready_s": 5.5}]
+    (tmp_path / "bench_compile_gpu.json").write_text(json.dumps({"rows": rows}))
+    got = {r["case"]: r for r in summary(str(tmp_path))}
+    warm = got["smollm2-135m warm (median of 1)"]
+    assert warm["value"] == "2.0 s compile+capture, 6.5 s ready" and warm["status"] == "met"
+    assert warm["target/reference"] == "target 5.0 s (ready: MISSED)"
+    assert got["smollm2-135m cold"]["value"] == "9.5 s compile+capture, 18.0 s ready"
+    assert got["old warm"] == {**got["old warm"], "value": "5.5 s ready", "status": "-"}
