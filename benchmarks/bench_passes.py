@@ -45,6 +45,7 @@ from compilelm.layers.activation import SiluAndMul  # noqa: E402
 from compilelm.layers.layernorm import rms_norm  # noqa: E402
 from compilelm.ops import quant as _quant_ops  # noqa: E402, F401
 from compilelm.passes import PassConfig, PassManager  # noqa: E402
+from compilelm.passes.config import parse_pass_spec  # noqa: E402
 
 HIDDEN, INTER, EPS = 576, 1536, 1e-5
 ops = torch.ops.compilelm
@@ -316,7 +317,7 @@ def e2e_cases(args) -> list[tuple]:
     cases = [(fusion, model, quant, SWITCH_PASS[switch], (None, None), (switch, None))
              for fusion, model, quant, switch in E2E_CASES if fusion in args.cases]
     for spec in args.custom_pass:
-        name = spec.split(",")[0].rpartition(":")[2]  # "pkg.mod:Class[,stage=...]" -> Class
+        name = parse_pass_spec(spec)[0].rpartition(":")[2]  # "pkg.mod:Class[,stage=...]" -> Class
         cases.append((name, args.custom_model, None, name, (None, spec), (None, None)))
     return cases
 

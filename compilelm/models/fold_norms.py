@@ -24,8 +24,10 @@ from torch import nn
 def applies(model: nn.Module, config, dtype: torch.dtype, device: torch.device) -> bool:
     """config: the engine's (compilation level and passes, quantization, tensor parallel size)."""
     compilation = config.compilation
-    passes = compilation.passes if compilation is not None else None
-    if (compilation is None or compilation.level == 0 or not passes.fuse_norm_gemm or not passes.skinny_mm
+    if compilation is None or compilation.level == 0:
+        return False
+    passes = compilation.passes
+    if (not passes.fuse_norm_gemm or not passes.skinny_mm
             or not (passes.fuse_act_skinny_mm or passes.fuse_qkv_rope)
             or config.quantization is not None or config.tensor_parallel_size != 1
             or dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda"
@@ -36,23 +38,22 @@ def applies(model: nn.Module, config, dtype: torch.dtype, device: torch.device) 
 
 
 def fits(model: nn.Module) -> bool:
-    """Whether both fused ops take the layers' shapes: hidden^2 >= 8M elements and hidden / 64 a
-    power of two (the Hopper GEMM's and the partial sums'), and gate_up_proj wider than
-    `passes.fuse_act_skinny_mm` moves the SiLU out of (past MAX_INTERMEDIATE the SiLU-and-mul is
-    gate_up's epilogue, which the MLP side fuses into; below, down_proj's prologue, and neither
-    side matches)."""
+    """Whether both fused ops take the layers' weights (norm_gemm.shapes_fit: o_proj then gate_up_proj,
+    down_proj then qkv_proj), and gate_up_proj is wider than `passes.fuse_act_skinny_mm` moves the
+    SiLU out of (past MAX_INTERMEDIATE the SiLU-and-mul is gate_up's epilogue, which the MLP side
+    fuses into; below, down_proj's prologue, and neither side matches)."""
     # (not from compilelm.passes: the worker calls this while a thread imports the compiler, and two
     # threads importing Inductor at once can meet a partly initialized module)
     from compilelm.ops.linear import MAX_INTERMEDIATE
-    from compilelm.ops.norm_gemm import MIN_WEIGHT
+    from compilelm.ops.norm_gemm import shapes_fit
 
     layers = _layers(model)
     if not layers:
         return False
-    hidden = layers[0].input_layernorm.weight.shape[0]
-    blocks = hidden // 64
-    return (hidden * hidden >= MIN_WEIGHT and hidden % 128 == 0 and blocks & (blocks - 1) == 0
-            and layers[0].mlp.gate_up_proj.weight.shape[0] // 2 > MAX_INTERMEDIATE)
+    attn, mlp = layers[0].self_attn, layers[0].mlp
+    return (shapes_fit(attn.o_proj.weight.shape, mlp.gate_up_proj.weight.shape)
+            and shapes_fit(mlp.down_proj.weight.shape, attn.qkv_proj.weight.shape)
+            and mlp.gate_up_proj.weight.shape[0] // 2 > MAX_INTERMEDIATE)
 
 
 def fold_norm_weights(model: nn.Module) -> int:
@@ -79,6 +80,7 @@ def _layers(model: nn.Module) -> list[nn.Module]:
         return []
     ok = all(hasattr(layer, "input_layernorm") and hasattr(layer, "post_attention_layernorm")
              and isinstance(getattr(layer.input_layernorm, "weight", None), torch.Tensor)
-             and hasattr(layer.self_attn, "qkv_proj") and not hasattr(layer.self_attn, "q_norm")
-             and hasattr(layer.mlp, "gate_up_proj") for layer in layers)
+             and hasattr(layer.self_attn, "qkv_proj") and hasattr(layer.self_attn, "o_proj")
+             and not hasattr(layer.self_attn, "q_norm") and hasattr(layer.mlp, "gate_up_proj")
+             and hasattr(layer.mlp, "down_proj") for layer in layers)
     return list(layers) if ok else []

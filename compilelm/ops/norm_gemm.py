@@ -105,17 +105,23 @@ def _unfused(x, weight, residual, eps):
     return ops.fused_add_rms_norm(ops.skinny_mm(x, weight), residual, _ones(weight.shape[0], x.dtype, x.device), eps)
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor, weight2: torch.Tensor) -> bool:
-    """Whether the two-kernel path runs this call: sm_90 with Triton, 3-64 rows, bf16/fp16, both
-    weights large enough for the Hopper GEMM, N / 64 blocks a power of two (the partials' count),
-    whole 128-row tiles of weight2 (the SiLU epilogue's gate | up halves)."""
-    n, k = weight.shape
+def shapes_fit(weight_shape, weight2_shape) -> bool:
+    """Whether the two-kernel path takes these weights ([N, K], [N2, N]): both large enough for the
+    Hopper GEMM, N / 64 blocks a power of two (the partials' count), whole 128-row tiles of weight2
+    (the SiLU epilogue's gate | up halves)."""
+    (n, k), (n2, k2) = weight_shape, weight2_shape
     blocks = n // 64
+    return (n % 64 == 0 and blocks & (blocks - 1) == 0 and k % 128 == 0 and n * k >= MIN_WEIGHT
+            and n2 * k2 >= MIN_WEIGHT and n2 % 128 == 0)
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor, weight2: torch.Tensor) -> bool:
+    """Whether the two-kernel path runs this call: sm_90 with Triton, 3-64 rows, bf16/fp16,
+    contiguous operands, and weights it takes (`shapes_fit`)."""
     return (triton is not None and x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0)
             and ops.hopper_gemm() and 3 <= x.shape[0] <= 64 and x.dtype in (torch.bfloat16, torch.float16)
             and x.dtype == weight.dtype == weight2.dtype and x.is_contiguous() and weight.is_contiguous()
-            and weight2.is_contiguous() and n % 64 == 0 and blocks & (blocks - 1) == 0 and k % 128 == 0
-            and n * k >= MIN_WEIGHT and weight2.numel() >= MIN_WEIGHT and weight2.shape[0] % 128 == 0)
+            and weight2.is_contiguous() and shapes_fit(weight.shape, weight2.shape))
 
 
 def _mm_add_sumsq(x, weight, residual):
