@@ -111,11 +111,10 @@ def child_engine(model: str, cache_dir: str, started: float, max_model_len: int 
 
     ModelRunner._build_forward = timed_build_forward
     time_calls(ModelRunner, "__init__", record, "runner")
-    from compilelm.runtime import cuda_graphs
-    from compilelm.runtime import piecewise_graphs
+    from compilelm.graphs.cudagraph import full, piecewise
     # the graphs alone (full decode graphs + piecewise graphs)
-    time_calls(cuda_graphs.CUDAGraphRunner, "capture", record, "graph_capture")
-    time_calls(piecewise_graphs.PiecewiseGraphs, "capture", record, "graph_capture")
+    time_calls(full.CUDAGraphRunner, "capture", record, "graph_capture")
+    time_calls(piecewise.PiecewiseGraphs, "capture", record, "graph_capture")
     log = []
     handler = logging.Handler()
     handler.emit = lambda r: (log.append(r.getMessage()), print(f"[{time.time() - started:6.1f} s] {r.getMessage()}",

@@ -81,10 +81,10 @@ E2E_CASES = [  # (fusion, model, quantization, switch turned off)
     ("rms_norm+quant", "dummy:smollm2-135m", "fp8", "fuse_norm_quant"),
     ("silu_mul+quant", "dummy:smollm2-135m", "fp8", "fuse_act_quant"),
     ("residual add out of addmm", "dummy:smollm2-135m", None, "unfuse_residual_addmm"),
-    ("skinny_mm", "dummy:smollm2-135m", None, "skinny_mm"),  # (switches the skinny_mm fusions off with it)
-    ("(add+) rms_norm+skinny_mm", "dummy:smollm2-135m", None, "fuse_norm_skinny_mm"),
-    ("silu_mul+skinny_mm", "dummy:smollm2-135m", None, "fuse_act_skinny_mm"),
-    ("gate_up skinny_mm+silu_mul, 8B", "dummy:llama-3.1-8b", None, "fuse_act_skinny_mm"),  # (the 3-64-row epilogue)
+    ("route_linear", "dummy:smollm2-135m", None, "route_linear"),  # (switches the linear fusions off with it)
+    ("(add+) rms_norm+linear", "dummy:smollm2-135m", None, "fuse_norm_linear"),
+    ("silu_mul+linear", "dummy:smollm2-135m", None, "fuse_act_linear"),
+    ("gate_up linear+silu_mul, 8B", "dummy:llama-3.1-8b", None, "fuse_act_linear"),  # (the 3-64-row epilogue)
     ("qkv projection+rope+cache write", "dummy:smollm2-135m", None, "fuse_qkv_rope"),
     ("o/down+add+rms_norm+gate_up/qkv, 8B", "dummy:llama-3.1-8b", None, "fuse_norm_gemm"),  # (folds the norms: sm_90)
 ]
@@ -92,8 +92,8 @@ E2E_CASES = [  # (fusion, model, quantization, switch turned off)
 
 SWITCH_PASS = {"fuse_rope_attention": "RopeAttentionFusionPass", "fuse_norm_quant": "RMSNormQuantFusionPass",
                "fuse_act_quant": "SiluMulQuantFusionPass", "unfuse_residual_addmm": "UnfuseResidualAddmmPass",
-               "skinny_mm": "SkinnyMMPass", "fuse_norm_skinny_mm": "RMSNormSkinnyMMFusionPass",
-               "fuse_act_skinny_mm": "SiluMulSkinnyMMFusionPass", "fuse_qkv_rope": "QKVRopeFusionPass",
+               "route_linear": "RouteLinearPass", "fuse_norm_linear": "RMSNormLinearFusionPass",
+               "fuse_act_linear": "SiluMulLinearFusionPass", "fuse_qkv_rope": "QKVRopeFusionPass",
                "fuse_norm_gemm": "NormGemmFusionPass"}
 
 

@@ -2,8 +2,7 @@
 
 from compilelm.outputs import CompletionOutput, RequestOutput
 from compilelm.sampling_params import SamplingParams
-
-__version__ = "0.1.0"
+from compilelm.version import __version__
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 

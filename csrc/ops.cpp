@@ -59,7 +59,7 @@ TORCH_LIBRARY(compilelm, m) {
   // up to 16) or, turned off, on CUDA cores; returns the previous setting. Takes effect for
   // launches (and graph captures) after the call.
   m.def("set_decode_mma(bool enabled) -> bool", &compilelm::set_decode_mma);
-  // skinny_mm and its fused variants send 3-64 rows of a large weight (sm_90) to hopper_mm_out or,
+  // linear and its fused variants send 3-64 rows of a large weight (sm_90) to hopper_mm_out or,
   // turned off, to cuBLAS; returns the previous setting. Takes effect for launches (and graph
   // captures) after the call.
   m.def("set_hopper_gemm(bool enabled) -> bool", &compilelm::set_hopper_gemm);
@@ -112,54 +112,54 @@ TORCH_LIBRARY(compilelm, m) {
 
   // x: [M, K], weight: [N, K] (a linear layer's weight) -> x @ weight.T: [M, N]. The CUDA kernel
   // serves M <= 2 (decode at batch 1-2) by streaming the weight once; other inputs use at::mm.
-  m.def("skinny_mm(Tensor x, Tensor weight) -> Tensor");
+  m.def("linear(Tensor x, Tensor weight) -> Tensor");
   // The same product written into out ([M, N], x's dtype, rows contiguous): the LM head of a full
   // decode graph writes its static logits buffer directly.
-  m.def("skinny_mm_out(Tensor x, Tensor weight, Tensor(a!) out) -> ()");
-  // skinny_mm_out, then argmax = argmax_rows(out) (int64 [M]): a full decode graph's LM head and
+  m.def("linear_out(Tensor x, Tensor weight, Tensor(a!) out) -> ()");
+  // linear_out, then argmax = argmax_rows(out) (int64 [M]): a full decode graph's LM head and
   // greedy sampling, one kernel on CUDA at M <= 2.
-  m.def("skinny_mm_argmax_out(Tensor x, Tensor weight, Tensor(a!) out, Tensor(b!) argmax) -> ()");
-  // out = x @ weight.T (x: [M <= 64, K], weight: [N, K], out: [M, N], bf16/fp16) for skinny_mm's
+  m.def("linear_argmax_out(Tensor x, Tensor weight, Tensor(a!) out, Tensor(b!) argmax) -> ()");
+  // out = x @ weight.T (x: [M <= 64, K], weight: [N, K], out: [M, N], bf16/fp16) for linear's
   // CUDA ops to call on sm_90 (3-64 rows); pdl: launch with programmatic dependent launch. Its CUDA
   // kernel is Triton's, registered by compilelm/ops/hopper_gemm.py where Triton is importable.
   // silu_mul: weight = gate | up ([2I, K]), out = silu(x @ gate.T) * (x @ up.T): [M, I], with
-  // SiluAndMul's roundings of the rounded products (skinny_mm_silu_mul).
+  // SiluAndMul's roundings of the rounded products (gate_up_silu_mul).
   m.def("hopper_mm_out(Tensor x, Tensor weight, Tensor(a!) out, bool pdl, bool silu_mul=False) -> ()");
   // The same for a QKV projection (weight rows: q | k | v heads) with RoPE in the epilogue: the
   // rotated query to q_out ([M, num_heads, head_size] contiguous), the rotated key and the value to
   // their slots of the (contiguous) caches, as rope_and_cache would write them; head_size a
-  // multiple of 64. Called by the *_skinny_mm_rope ops below.
+  // multiple of 64. Called by the *_qkv_rope_cache ops below.
   m.def(
       "hopper_mm_rope_out(Tensor x, Tensor weight, Tensor positions, Tensor cos_sin_cache, Tensor(a!) key_cache, "
       "Tensor(b!) value_cache, Tensor slot_mapping, Tensor(c!) q_out, bool pdl) -> ()");
   // rms_norm(x) @ weight.T, and with residual: residual_out = x + residual;
   // (rms_norm(residual_out) @ weight.T, residual_out). norm_weight: [K]. The norm's roundings are
-  // those of compilelm.layers.layernorm.rms_norm; the CUDA kernel does norm and GEMV in one pass at M <= 2.
-  m.def("rms_norm_skinny_mm(Tensor x, Tensor norm_weight, float eps, Tensor weight) -> Tensor");
+  // those of compilelm.ops.norm.rms_norm; the CUDA kernel does norm and GEMV in one pass at M <= 2.
+  m.def("rms_norm_linear(Tensor x, Tensor norm_weight, float eps, Tensor weight) -> Tensor");
   m.def(
-      "fused_add_rms_norm_skinny_mm(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight) "
+      "fused_add_rms_norm_linear(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight) "
       "-> (Tensor, Tensor)");
   // x: [M, 2K] (gate | up) -> (silu(gate) * up) @ weight.T with SiluAndMul's roundings; weight: [N, K].
-  m.def("silu_mul_skinny_mm(Tensor x, Tensor weight) -> Tensor");
+  m.def("silu_mul_linear(Tensor x, Tensor weight) -> Tensor");
   // The other side of the MLP's activation: weight = gate_up_proj's [2I, K] (gate | up) ->
   // silu_and_mul(x @ weight.T): [M, I], SiluAndMul's roundings of the rounded product. On CUDA one
   // kernel at 3-64 rows where hopper_mm_out takes them (its SiLU-and-mul epilogue), else the
-  // product (skinny_mm) and the SiLU-and-mul kernel.
-  m.def("skinny_mm_silu_mul(Tensor x, Tensor weight) -> Tensor");
-  // The QKV projection (skinny_mm / rms_norm_skinny_mm / fused_add_rms_norm_skinny_mm; weight
+  // product (linear) and the SiLU-and-mul kernel.
+  m.def("gate_up_silu_mul(Tensor x, Tensor weight) -> Tensor");
+  // The QKV projection (linear / rms_norm_linear / fused_add_rms_norm_linear; weight
   // rows: q | k | v heads, num_heads query heads, the cache's kv heads and head_size) followed by
   // rope_and_cache of its q | k | v: returns the rotated query [M, num_heads, head_size] (and
   // residual_out), writes the rotated key and the value to their cache slots. On CUDA one kernel
   // at M <= 2, and at 3-64 rows (after the norm kernel) hopper_mm_rope_out where it takes them.
   m.def(
-      "skinny_mm_rope(Tensor x, Tensor weight, Tensor positions, Tensor cos_sin_cache, Tensor(a!) key_cache, "
+      "qkv_rope_cache(Tensor x, Tensor weight, Tensor positions, Tensor cos_sin_cache, Tensor(a!) key_cache, "
       "Tensor(b!) value_cache, Tensor slot_mapping, int num_heads) -> Tensor");
   m.def(
-      "rms_norm_skinny_mm_rope(Tensor x, Tensor norm_weight, float eps, Tensor weight, Tensor positions, "
+      "rms_norm_qkv_rope_cache(Tensor x, Tensor norm_weight, float eps, Tensor weight, Tensor positions, "
       "Tensor cos_sin_cache, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, int num_heads) "
       "-> Tensor");
   m.def(
-      "fused_add_rms_norm_skinny_mm_rope(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight, "
+      "fused_add_rms_norm_qkv_rope_cache(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight, "
       "Tensor positions, Tensor cos_sin_cache, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, "
       "int num_heads) -> (Tensor, Tensor)");
 

@@ -59,7 +59,7 @@ class ToyNorm(torch.nn.Module):
 
 
 def main() -> None:
-    from compilelm.passes.testing import check_pass
+    from compilelm.passes.debug.testing import check_pass
 
     p = MeanSquareFusionPass()
     result = check_pass(ToyNorm(), [torch.randn(5, 64)], [p], matches={p.name: 2},

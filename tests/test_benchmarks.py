@@ -56,10 +56,10 @@ def test_passes_end_to_end_measures_each_engine_once(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_passes, "measure", recording_measure)
     monkeypatch.setattr(bench_passes, "run_isolated", lambda fn, *args: fn(*args))
     payload = bench_passes.main(["--device", "cpu", "--no-pieces", "--e2e", "--cases", "residual add out of addmm",
-                                 "skinny_mm", "--layers", "1", "--batches", "1", "--context", "16", "--steps", "2",
+                                 "route_linear", "--layers", "1", "--batches", "1", "--context", "16", "--steps", "2",
                                  "--prefill", "32", "--rounds", "2", "--out", str(tmp_path / "passes.json")])
-    assert built == [None, "unfuse_residual_addmm", "skinny_mm"]
-    assert measured == [None, None, "unfuse_residual_addmm", "unfuse_residual_addmm", "skinny_mm", "skinny_mm"]
+    assert built == [None, "unfuse_residual_addmm", "route_linear"]
+    assert measured == [None, None, "unfuse_residual_addmm", "unfuse_residual_addmm", "route_linear", "route_linear"]
     rows = payload["e2e_rows"]
     assert {r["measure"] for r in rows} == {"decode_b1_ms", "prefill_32_ms"} and len(rows) == 4
     assert all(r["rounds"] == 2 and r["on_ms"] > 0 and r["off_ms"] > 0 and r["matches_on"] == 0 for r in rows)

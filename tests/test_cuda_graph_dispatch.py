@@ -9,7 +9,7 @@ import pytest
 from compilelm import LLM, SamplingParams
 from compilelm.graphs.config import CompileConfig
 from compilelm.models.config import dummy_config
-from compilelm.runtime.cuda_graphs import CudaGraphDispatcher, default_capture_sizes, graph_sizes
+from compilelm.graphs.cudagraph.dispatch import CudaGraphDispatcher, default_capture_sizes, graph_sizes
 from compilelm.runtime.memory import FULL_GRAPH_BYTES, PIECE_GRAPH_BYTES, activation_bytes_per_token, cuda_memory_reserve
 
 
@@ -120,7 +120,7 @@ def test_input_buffers_pack_a_step_at_fixed_offsets():
     import numpy as np
     import torch
 
-    from compilelm.runtime.cuda_graphs import HostBatch, InputBuffers
+    from compilelm.graphs.step_inputs import HostBatch, InputBuffers
 
     buffers = InputBuffers(max_tokens=16, max_seqs=4, max_blocks=3, device=torch.device("cpu"))
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from compilelm import ops
-from compilelm.layers.layernorm import RMSNorm, rms_norm
+from compilelm.layers.layernorm import RMSNorm
+from compilelm.ops.norm import rms_norm
 from compilelm.layers.rotary_embedding import RotaryEmbedding
 from compilelm.ops import quant as q_ops
 from tests.test_ops import make_decode_step
@@ -74,7 +75,7 @@ def test_fused_quant_ops_equal_the_unfused_ops():
     x, res = torch.randn(6, 64).bfloat16(), torch.randn(6, 64).bfloat16()
     w = torch.rand(64).bfloat16() + 0.5
     q, s, r = q_ops.fused_add_rms_norm_quant_fp8(x, res, w, 1e-6, None)
-    rq, rs = q_ops.quant_fp8_per_token(q_ops.rms_norm_ref(x + res, w, 1e-6))
+    rq, rs = q_ops.quant_fp8_per_token(rms_norm(x + res, w, 1e-6))
     assert torch.equal(q.float(), rq.float()) and torch.equal(s, rs) and torch.equal(r, x + res)
 
 
@@ -117,36 +118,36 @@ def test_rope_paged_attention_cpu():
     torch.library.opcheck(OPS.rope_paged_attention.default, (*args, 1))
 
 
-def test_skinny_mm_out_cpu():
-    """skinny_mm_out (the full graphs' LM head) writes x @ weight.T into a row slice of a wider
-    buffer, as skinny_mm computes it, and nothing else; opcheck; a wrong out is refused."""
+def test_linear_out_cpu():
+    """linear_out (the full graphs' LM head) writes x @ weight.T into a row slice of a wider
+    buffer, as linear computes it, and nothing else; opcheck; a wrong out is refused."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
     w = torch.randn(100, 64, generator=g).to(torch.bfloat16)
     buffer = torch.full((5, 100), 7.0, dtype=torch.bfloat16)
-    ops.skinny_mm_out(x, w, buffer[:3])
-    torch.testing.assert_close(buffer[:3], ops.skinny_mm(x, w), rtol=0, atol=0)
+    ops.linear_out(x, w, buffer[:3])
+    torch.testing.assert_close(buffer[:3], ops.linear(x, w), rtol=0, atol=0)
     assert (buffer[3:] == 7.0).all()
-    torch.library.opcheck(OPS.skinny_mm_out.default, (x, w, buffer[:3]))
+    torch.library.opcheck(OPS.linear_out.default, (x, w, buffer[:3]))
     with pytest.raises(RuntimeError, match="out must be"):
-        ops.skinny_mm_out(x, w, torch.empty(3, 100))
+        ops.linear_out(x, w, torch.empty(3, 100))
 
 
-def test_skinny_mm_argmax_out_cpu():
-    """skinny_mm_argmax_out: the logits as skinny_mm_out writes them and each row's first maximum
+def test_linear_argmax_out_cpu():
+    """linear_argmax_out: the logits as linear_out writes them and each row's first maximum
     (a tie made on purpose goes to the lower column); opcheck; a wrong argmax buffer is refused."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
     w = torch.randn(100, 64, generator=g).to(torch.bfloat16)
-    first = int(ops.skinny_mm(x, w)[1].float().argmax())
+    first = int(ops.linear(x, w)[1].float().argmax())
     w[99] = w[first]  # row 1: the same maximum twice
     buffer = torch.full((5, 100), 7.0, dtype=torch.bfloat16)
     ids = torch.full((5,), -1, dtype=torch.int64)
-    ops.skinny_mm_argmax_out(x, w, buffer[:3], ids[:3])
-    want = ops.skinny_mm(x, w)
+    ops.linear_argmax_out(x, w, buffer[:3], ids[:3])
+    want = ops.linear(x, w)
     torch.testing.assert_close(buffer[:3], want, rtol=0, atol=0)
     assert ids[:3].tolist() == [row.float().argmax().item() for row in want] and ids[1] == first
     assert (buffer[3:] == 7.0).all() and (ids[3:] == -1).all()
-    torch.library.opcheck(OPS.skinny_mm_argmax_out.default, (x, w, buffer[:3], ids[:3]))
+    torch.library.opcheck(OPS.linear_argmax_out.default, (x, w, buffer[:3], ids[:3]))
     with pytest.raises(RuntimeError, match="argmax must be"):
-        ops.skinny_mm_argmax_out(x, w, buffer[:3], torch.empty(3, dtype=torch.int32))
+        ops.linear_argmax_out(x, w, buffer[:3], torch.empty(3, dtype=torch.int32))

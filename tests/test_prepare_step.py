@@ -8,7 +8,7 @@ import types
 import numpy as np
 import pytest
 
-from compilelm.runtime.cuda_graphs import CudaGraphDispatcher
+from compilelm.graphs.cudagraph.dispatch import CudaGraphDispatcher
 from compilelm.runtime.model_runner import ModelRunner
 from compilelm.runtime.request import Request
 from compilelm.runtime.scheduler import ScheduledRequest, SchedulerOutput

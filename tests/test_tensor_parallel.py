@@ -12,11 +12,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from compilelm.distributed import communication_op as comm
+from compilelm.ops import collectives as comm
 from compilelm.distributed.parallel_state import destroy_distributed, get_tp_rank, init_distributed
-from compilelm.layers.layernorm import RMSNorm, rms_norm
-from compilelm.passes.fuse_allreduce_rms import AllReduceRMSNormFusionPass
-from compilelm.passes.testing import check_pass
+from compilelm.layers.layernorm import RMSNorm
+from compilelm.ops.norm import rms_norm
+from compilelm.passes.fusion.fuse_allreduce_rms import AllReduceRMSNormFusionPass
+from compilelm.passes.debug.testing import check_pass
 from compilelm.sampling_params import SamplingParams
 
 ops = torch.ops.compilelm
@@ -249,7 +250,7 @@ def test_release_graphs_drops_every_graph_and_steps_run_eagerly():
     import types
 
     from compilelm.llm import LLM
-    from compilelm.runtime.cuda_graphs import CudaGraphDispatcher
+    from compilelm.graphs.cudagraph.dispatch import CudaGraphDispatcher
     llm = LLM("dummy:qwen3-0.6b", model_overrides=QWEN3[1], max_model_len=128, num_kv_blocks=64, enforce_eager=True)
     runner = llm.engine.executor.model_runner
     full, site = types.SimpleNamespace(graphs={8: "graph"}), types.SimpleNamespace(graphs={8: "graph", 4: "graph"})

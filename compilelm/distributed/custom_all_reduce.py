@@ -52,7 +52,6 @@ class CustomAllReduce:
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES,
                  min_bytes: int = MIN_BYTES):
-        import compilelm.ops  # noqa: F401  (loads the kernels: compilelm/_C)
         self.group, self.max_bytes, self.min_bytes = group, max_bytes, min_bytes
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.buffer = torch.zeros(FLAG_BYTES + max_bytes, dtype=torch.uint8, device=device)

@@ -27,8 +27,9 @@ from tqdm import tqdm
 from compilelm.distributed.parallel_state import get_tp_rank
 from compilelm.graphs.counters import compile_counters
 from compilelm.graphs.lower import lower_to_aten
-from compilelm.graphs.piecewise import PieceRunner, compile_piece, describe, piece_key, token_arg
+from compilelm.graphs.inductor import PieceRunner, compile_piece, piece_key, token_arg
 from compilelm.graphs.split import split_graph
+from compilelm.passes.base import describe
 from compilelm.graphs.stitch import build_graph, graph_code, input_recipe
 
 SENTINEL = torch.empty(0)  # what the dry run returns in place of each graph output

@@ -31,10 +31,10 @@ import uuid
 
 import torch
 
-import compilelm
+from compilelm.version import __version__
 
 logger = logging.getLogger(__name__)
-_PKG = os.path.dirname(os.path.abspath(compilelm.__file__))
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # compilelm/
 # compilelm code whose change can change a compiled piece (model code is traced into it).
 _SOURCE_DIRS = ("graphs", "passes", "models", "layers", "ops")
 
@@ -73,7 +73,7 @@ def cache_key_factors(model: torch.nn.Module, config, pass_uuids: dict, model_fa
         "compile_config": config.cache_key_dict(),
         "passes": pass_uuids,
         "compilelm_source": source_hash(compilelm_files, _PKG),
-        "versions": {"compilelm": compilelm.__version__, "torch": torch.__version__, "triton": triton_version},
+        "versions": {"compilelm": __version__, "torch": torch.__version__, "triton": triton_version},
         "device": device_kind(model),
     }
     model_file = getattr(sys.modules.get(type(model).__module__), "__file__", None)

@@ -26,7 +26,7 @@ from compilelm.graphs.cache import CompileCache, cache_key_factors
 from compilelm.graphs.config import CompileConfig
 from compilelm.graphs.counters import compile_counters
 from compilelm.graphs.dump import Dumper, write_report
-from compilelm.graphs.piecewise import PieceRunner, inductor_patches
+from compilelm.graphs.inductor import PieceRunner, inductor_patches
 from compilelm.graphs.stitch import build_graph, entry_function
 from compilelm.passes import PassManager, PassRecorder
 
@@ -62,6 +62,7 @@ class CompiledModel:
         self.counters: dict[str, int] = {}
         self.inductor_counters: dict[str, int] = {}
         self.depyf_error: str | None = None
+        self.load_rewrites: list[str] = []  # what the passes' prepare_model hooks did to the model
         self.forward: Callable | None = None
         self.graph_fn: Callable | None = None  # the stitched graph (its globals hold the pieces)
         self.runners: dict[str, PieceRunner] = {}  # call site ("submod_2") -> its compiled piece
@@ -70,6 +71,7 @@ class CompiledModel:
         t0 = time.perf_counter()
         before, inductor_before = compile_counters.snapshot(), dict(torch_counters["inductor"])
         with self.cache.inductor_env(), torch.no_grad():
+            self.load_rewrites += self.manager.prepare_model(self.model)  # warm or cold: the pieces expect it
             fn = None if self.dumper else self._load()
             if fn is None:
                 compile_counters.cache_misses += 1

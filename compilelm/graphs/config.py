@@ -18,14 +18,11 @@ from compilelm.passes.config import PassConfig, parse_pass_spec
 
 CUDAGRAPH_MODES = ("none", "piecewise", "full", "full_and_piecewise")
 
-# Per-level defaults; -O2 is the dataclass defaults. Fusion switches that -O1 turns off go in
-# the "passes" dict of level 1.
+# Per-level defaults; -O2 is the dataclass defaults. The pass switches that -O1 turns off come
+# from compilelm/passes/config.py (each built-in pass's level).
 _LEVEL_DEFAULTS: dict[int, dict] = {
     0: {"cudagraph_mode": "none"},
-    1: {"cudagraph_mode": "piecewise",
-        "passes": {"fuse_rope_attention": False, "fuse_norm_quant": False, "fuse_act_quant": False,
-                   "fuse_allreduce_rms": False, "fuse_norm_skinny_mm": False,
-                   "fuse_act_skinny_mm": False, "fuse_qkv_rope": False, "fuse_norm_gemm": False}},
+    1: {"cudagraph_mode": "piecewise", "passes": PassConfig.for_level(1)},
     2: {},
     3: {"compile_sizes": (1, 2, 4, 8), "max_autotune": True},
 }

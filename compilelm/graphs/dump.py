@@ -91,7 +91,7 @@ def report_data(cm) -> dict:
         "pass_uuids": cm.manager.uuids(),
         "pieces": backend.pieces if backend else [],
         "cache_key_factors": cm.factors,
-        "load_rewrites": list(getattr(cm.model, "load_rewrites", [])),  # the weights changed before tracing
+        "load_rewrites": list(cm.load_rewrites),  # the passes' prepare_model: the model changed before tracing
         "depyf_error": cm.depyf_error,
     }
 

@@ -30,7 +30,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor.decomposition import select_decomp_table
 from torch._ops import OpOverloadPacket
 
-from compilelm.graphs.piecewise import piece_key
+from compilelm.graphs.inductor import piece_key
 from compilelm.graphs.split import Piece, _val, split_graph
 
 

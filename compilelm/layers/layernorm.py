@@ -5,14 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    # Same arithmetic as Hugging Face's LlamaRMSNorm: normalize in fp32, scale in the input dtype.
-    # weight None: folded into the linear after the norm (compilelm/models/fold_norms.py).
-    orig_dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return x.to(orig_dtype) if weight is None else weight * x.to(orig_dtype)
+from compilelm.ops.norm import rms_norm
 
 
 class RMSNorm(nn.Module):

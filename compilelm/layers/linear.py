@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compilelm.distributed.communication_op import tensor_model_parallel_all_reduce
+from compilelm.ops.collectives import tensor_model_parallel_all_reduce
 from compilelm.distributed.parallel_state import divide, get_tp_rank, get_tp_size
 
 

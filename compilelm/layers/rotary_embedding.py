@@ -11,6 +11,8 @@ import math
 import torch
 from torch import nn
 
+from compilelm.ops.rope import apply_rope
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     factor = scaling["factor"]
@@ -54,13 +56,3 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
         return apply_rope(q, cos, sin, self.head_dim), apply_rope(k, cos, sin, self.head_dim)
 
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Rotate-half RoPE, written as the two halves (x1 cos - x2 sin | x2 cos + x1 sin): the same
-    roundings as Hugging Face's `x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)`, in half
-    the aten ops (no duplicated cos/sin), so the traced graph is smaller to functionalize."""
-    # x: [num_tokens, num_heads * head_dim]; cos, sin: [num_tokens, head_dim // 2]
-    num_tokens = x.shape[0]
-    x1, x2 = x.view(num_tokens, -1, head_dim).chunk(2, dim=-1)  # [num_tokens, num_heads, head_dim // 2]
-    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).view(num_tokens, -1)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compilelm.distributed.communication_op import (
+from compilelm.ops.collectives import (
     tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce,
 )
 from compilelm.distributed.parallel_state import get_tp_rank, get_tp_size
@@ -64,12 +64,12 @@ def compute_logits(hidden: torch.Tensor, head: VocabParallelEmbedding, out: torc
     # hidden: [n, hidden] -> logits [n, vocab]
     if out is not None and get_tp_size() == 1 and hidden.dim() == 2:  # as below, into out
         if argmax_out is None:
-            torch.ops.compilelm.skinny_mm_out.default(hidden, head.weight, out)
+            torch.ops.compilelm.linear_out.default(hidden, head.weight, out)
         else:
-            torch.ops.compilelm.skinny_mm_argmax_out.default(hidden, head.weight, out, argmax_out)
+            torch.ops.compilelm.linear_argmax_out.default(hidden, head.weight, out, argmax_out)
         return out
     if hidden.is_cuda and hidden.dim() == 2:  # at 1-2 rows the weight-streaming kernel, else cuBLAS
-        logits = torch.ops.compilelm.skinny_mm.default(hidden, head.weight)
+        logits = torch.ops.compilelm.linear.default(hidden, head.weight)
     else:
         logits = F.linear(hidden, head.weight)
     if get_tp_size() > 1:

@@ -1,6 +1,24 @@
-"""Custom ops from csrc/: loads compilelm/_C*.so, which registers torch.ops.compilelm.* (schemas,
-CPU and CUDA kernels), then the Python wrappers, fake impls (for tracing), plain-torch references
-and, for the fused ops, the CPU implementations (torch compositions) of each op."""
+"""The bottom floor: every `compilelm::` op, and the plain-torch references that layers and pass
+patterns call.
+
+Importing this package loads compilelm/_C*.so, which registers the csrc ops (schemas in
+csrc/ops.cpp, CPU and CUDA kernels), then every module below, which adds each op's Python wrapper,
+fake impl (for tracing), plain-torch reference and, for the fused ops, the CPU implementation (the
+torch composition of the unfused ops). Ops that are defined in Python rather than csrc use
+`library.define`. Grouped by what they compute:
+
+    norm.py, activation.py, rope.py    references (rms_norm, silu_and_mul, apply_rope) and their ops
+    attention.py                       paged attention, the KV-cache write
+    unified_attention.py               the per-layer attention ops the graph is split at
+    gemm.py, hopper_gemm.py            linear layers (weight streaming, the Hopper GEMM), fused norm/act
+    qkv_rope.py, norm_gemm.py          projections with RoPE + cache write, norms between two GEMMs
+    quant.py                           FP8 quantization, fused with its producer
+    sampling.py                        greedy argmax
+    collectives.py                     tensor-parallel all-reduce (+ add + RMSNorm), all-gather
+
+Op names list what an op computes in data-flow order (`rms_norm_linear`: the norm, then the
+projection); graph ops that write "the next layer's" KV cache follow compilelm/forward_context.py.
+"""
 
 import importlib.machinery
 from pathlib import Path
@@ -24,27 +42,34 @@ def _load_library() -> None:
 
 _load_library()
 
-from compilelm.ops.attention import paged_attention, paged_attention_ref  # noqa: E402
-from compilelm.ops.cache import reshape_and_cache, reshape_and_cache_ref  # noqa: E402
-from compilelm.ops.linear import (  # noqa: E402
-    fused_add_rms_norm_skinny_mm, fused_add_rms_norm_skinny_mm_ref, rms_norm_skinny_mm, rms_norm_skinny_mm_ref,
-    skinny_mm, skinny_mm_argmax_out, skinny_mm_out, skinny_mm_ref,
+from compilelm.ops import norm, activation, rope  # noqa: E402, I001  (references first: the others use them)
+from compilelm.ops import attention, unified_attention  # noqa: E402
+from compilelm.ops import gemm, qkv_rope, hopper_gemm, norm_gemm  # noqa: E402
+from compilelm.ops import quant, sampling, collectives  # noqa: E402
+from compilelm.ops.attention import (  # noqa: E402
+    paged_attention, paged_attention_ref, reshape_and_cache, reshape_and_cache_ref, rope_paged_attention,
+    rope_paged_attention_ref,
 )
-from compilelm.ops.norm import fused_add_rms_norm, fused_add_rms_norm_ref  # noqa: E402
-from compilelm.ops.rope_cache import (  # noqa: E402
-    fused_add_rms_norm_skinny_mm_rope, fused_add_rms_norm_skinny_mm_rope_ref, rms_norm_skinny_mm_rope,
-    rms_norm_skinny_mm_rope_ref, rope_and_cache, rope_and_cache_ref, rope_paged_attention, rope_paged_attention_ref,
-    skinny_mm_rope, skinny_mm_rope_ref,
+from compilelm.ops.gemm import (  # noqa: E402
+    fused_add_rms_norm_linear, fused_add_rms_norm_linear_ref, rms_norm_linear, rms_norm_linear_ref,
+    linear, linear_argmax_out, linear_out, linear_ref,
 )
+from compilelm.ops.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm  # noqa: E402
+from compilelm.ops.qkv_rope import (  # noqa: E402
+    fused_add_rms_norm_qkv_rope_cache, fused_add_rms_norm_qkv_rope_cache_ref, rms_norm_qkv_rope_cache,
+    rms_norm_qkv_rope_cache_ref, qkv_rope_cache, qkv_rope_cache_ref,
+)
+from compilelm.ops.rope import apply_rope, rope_and_cache, rope_and_cache_ref  # noqa: E402
+from compilelm.ops.activation import silu_and_mul  # noqa: E402
 from compilelm.ops.sampling import argmax_rows, argmax_rows_ref  # noqa: E402
-from compilelm.ops import quant  # noqa: E402, F401  (registers the fp8 ops' CPU and fake impls)
-from compilelm.ops import hopper_gemm  # noqa: E402, F401  (the hopper_mm ops' Triton kernels, CPU and fake impls)
-from compilelm.ops import norm_gemm  # noqa: E402, F401  (the norm-between-GEMMs ops: Triton kernels, CPU and fake impls)
 
-__all__ = ["argmax_rows", "argmax_rows_ref", "fused_add_rms_norm", "fused_add_rms_norm_ref", "fused_add_rms_norm_skinny_mm",
-           "fused_add_rms_norm_skinny_mm_rope", "fused_add_rms_norm_skinny_mm_rope_ref",
-           "fused_add_rms_norm_skinny_mm_ref", "paged_attention", "paged_attention_ref", "reshape_and_cache",
-           "reshape_and_cache_ref", "rms_norm_skinny_mm", "rms_norm_skinny_mm_ref",
-           "rms_norm_skinny_mm_rope", "rms_norm_skinny_mm_rope_ref", "rope_and_cache",
-           "rope_and_cache_ref", "rope_paged_attention", "rope_paged_attention_ref", "skinny_mm", "skinny_mm_argmax_out",
-           "skinny_mm_out", "skinny_mm_ref", "skinny_mm_rope", "skinny_mm_rope_ref"]
+__all__ = [
+    "activation", "apply_rope", "argmax_rows", "argmax_rows_ref", "attention", "collectives", "fused_add_rms_norm",
+    "fused_add_rms_norm_ref", "fused_add_rms_norm_linear", "fused_add_rms_norm_linear_ref",
+    "fused_add_rms_norm_qkv_rope_cache", "fused_add_rms_norm_qkv_rope_cache_ref", "gemm", "hopper_gemm", "norm",
+    "norm_gemm", "paged_attention", "paged_attention_ref", "qkv_rope", "quant", "reshape_and_cache",
+    "reshape_and_cache_ref", "rms_norm", "rms_norm_linear", "rms_norm_linear_ref", "rms_norm_qkv_rope_cache",
+    "rms_norm_qkv_rope_cache_ref", "rope", "rope_and_cache", "rope_and_cache_ref", "rope_paged_attention",
+    "rope_paged_attention_ref", "sampling", "silu_and_mul", "linear", "linear_argmax_out", "linear_out",
+    "linear_ref", "qkv_rope_cache", "qkv_rope_cache_ref", "unified_attention",
+]

@@ -1,8 +1,19 @@
-"""paged_attention: causal attention of a mixed batch (decode rows, chunked and fresh prefills)
-over the paged KV cache (csrc/cpu/paged_attention.cpp)."""
+"""Paged attention and the KV-cache write (schemas in csrc/ops.cpp; kernels in csrc/cpu and csrc/cuda).
+
+- paged_attention: causal attention of a mixed batch (decode rows, chunked and fresh prefills)
+  over the paged KV cache.
+- reshape_and_cache: writes this step's keys/values into their cache slots.
+- rope_paged_attention: rope_and_cache (no QK-norm) and then paged_attention of the rotated query,
+  as one op: on CUDA a pure-decode batch runs as ONE kernel (csrc/cuda/paged_attention_decode.cu,
+  kRope), where the decode kernel rotates the query and the new key itself; elsewhere the two ops.
+"""
+
+from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from compilelm.ops.rope import rope_and_cache_ref
 
 
 def paged_attention(
@@ -58,3 +69,72 @@ def paged_attention_ref(
         scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v.float()).to(query.dtype)
     return out
+
+
+def reshape_and_cache(
+    key: Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: Tensor,  # [num_tokens, num_kv_heads, head_size]
+    key_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size], written in place
+    value_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size], written in place
+    slot_mapping: Tensor,  # int64 [num_tokens]; slot s -> block s // block_size, offset s % block_size; -1 skips
+) -> None:
+    torch.ops.compilelm.reshape_and_cache.default(key, value, key_cache, value_cache, slot_mapping)
+
+
+@torch.library.register_fake("compilelm::reshape_and_cache")
+def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping) -> None:
+    # Only mutates its caches (declared as Tensor(a!) / Tensor(b!) in the schema); no outputs.
+    return None
+
+
+def reshape_and_cache_ref(
+    key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor
+) -> None:
+    """Plain-torch reference: the same in-place scatter through a flat view of each cache."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    # view (not reshape) so that a cache that cannot be flattened in place raises instead of copying
+    key_cache.view(-1, *key_cache.shape[2:])[slots] = key[keep]
+    value_cache.view(-1, *value_cache.shape[2:])[slots] = value[keep]
+
+
+def rope_paged_attention(
+    positions: Tensor,  # int64 [num_tokens]
+    query: Tensor,  # [num_tokens, num_heads, head_size], not yet rotated
+    key: Tensor,  # [num_tokens, num_kv_heads, head_size], not yet rotated
+    value: Tensor,  # [num_tokens, num_kv_heads, head_size]
+    cos_sin_cache: Tensor,  # [max_position, head_size] = cos | sin of the half-dims
+    key_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size], written in place
+    value_cache: Tensor,  # written in place
+    slot_mapping: Tensor,  # int64 [num_tokens]; -1 skips (and must, on rows past the last sequence)
+    cu_seqlens_q: Tensor,  # int32 [num_seqs + 1]
+    seq_lens: Tensor,  # int32 [num_seqs]
+    block_tables: Tensor,  # int32 [num_seqs, max_blocks_per_seq]
+    scale: float,
+    max_query_len: int = 0,  # as paged_attention's; 1 (pure decode) allows the one-kernel path
+) -> Tensor:  # [num_tokens, num_heads, head_size], paged_attention's output
+    return torch.ops.compilelm.rope_paged_attention.default(
+        positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping, cu_seqlens_q, seq_lens,
+        block_tables, scale, max_query_len)
+
+
+def rope_paged_attention_ref(positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping,
+                             cu_seqlens_q, seq_lens, block_tables, scale, max_query_len=0) -> Tensor:
+    q = rope_and_cache_ref(positions, query, key, value, cos_sin_cache, None, None, 0.0, key_cache, value_cache,
+                           slot_mapping)
+    return paged_attention_ref(q, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+
+
+@torch.library.register_kernel("compilelm::rope_paged_attention", "cpu")
+def _(positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping, cu_seqlens_q, seq_lens,
+      block_tables, scale, max_query_len=0):
+    q = rope_and_cache_ref(positions, query, key, value, cos_sin_cache, None, None, 0.0, key_cache, value_cache,
+                           slot_mapping)
+    return torch.ops.compilelm.paged_attention.default(q, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables,
+                                                       scale, max_query_len)
+
+
+@torch.library.register_fake("compilelm::rope_paged_attention")
+def _(positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping, cu_seqlens_q, seq_lens,
+      block_tables, scale, max_query_len=0):
+    return query.new_empty(query.shape)

@@ -1,5 +1,5 @@
 """hopper_mm_out: `out = x @ weight.T` for 3-64 rows on Hopper (sm_90), the decode GEMM between
-skinny_mm's CUDA-core kernel (1-2 rows) and cuBLAS (prefill); with silu_mul, the MLP's gate_up
+linear's CUDA-core kernel (1-2 rows) and cuBLAS (prefill); with silu_mul, the MLP's gate_up
 projection and its SiLU-and-mul in one kernel: `out = silu(x @ gate.T) * (x @ up.T)`, weight =
 gate | up ([2I, K]).
 
@@ -33,7 +33,7 @@ still streams as fast as the plain kernel; the epilogue rounds as rope_and_cache
 (bit-identical). On an H100, 8 Llama-3.1-8B decode layers at batch 64: 272.3 -> 269.1 us a layer
 against the plain kernel then rope_and_cache (benchmarks/results/qkv_rope_hopper_gpu.log).
 
-C++ calls this op (csrc/cuda/skinny_mm.cu: `decode_mm`, and skinny_mm_silu_mul with silu_mul) where its kernel does not take the rows
+C++ calls this op (csrc/cuda/skinny_mm.cu: `decode_mm`, and gate_up_silu_mul with silu_mul) where its kernel does not take the rows
 and the weight is large enough to gain (N * K >= 8M elements, K >= 1024); `compilelm::set_hopper_gemm(False)`
 sends those calls to cuBLAS instead. The op's CUDA kernel is registered here only where Triton
 with host tensor descriptors is importable; without it the C++ side uses cuBLAS.
@@ -41,8 +41,8 @@ with host tensor descriptors is importable; without it the C++ side uses cuBLAS.
 
 import torch
 
-from compilelm.ops.linear import skinny_mm_silu_mul_ref
-from compilelm.ops.rope_cache import skinny_mm_rope_ref
+from compilelm.ops.gemm import gate_up_silu_mul_ref
+from compilelm.ops.qkv_rope import qkv_rope_cache_ref
 
 try:
     import triton
@@ -55,7 +55,7 @@ except ImportError:  # CPU builds of torch ship without Triton
 @torch.library.register_kernel("compilelm::hopper_mm_out", "cpu")
 def _(x, weight, out, pdl, silu_mul=False):
     if silu_mul:
-        out.copy_(skinny_mm_silu_mul_ref(x, weight))
+        out.copy_(gate_up_silu_mul_ref(x, weight))
     else:
         torch.mm(x, weight.t(), out=out)
 
@@ -67,7 +67,7 @@ def _(x, weight, out, pdl, silu_mul=False):
 
 @torch.library.register_kernel("compilelm::hopper_mm_rope_out", "cpu")
 def _(x, weight, positions, cos_sin_cache, key_cache, value_cache, slot_mapping, q_out, pdl):
-    q_out.copy_(skinny_mm_rope_ref(x, weight, positions, cos_sin_cache, key_cache, value_cache, slot_mapping,
+    q_out.copy_(qkv_rope_cache_ref(x, weight, positions, cos_sin_cache, key_cache, value_cache, slot_mapping,
                                    q_out.shape[1]))
 
 

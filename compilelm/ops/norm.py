@@ -1,4 +1,5 @@
-"""fused_add_rms_norm: the residual add and the RMSNorm after it, as one functional op.
+"""RMSNorm: the plain-torch reference (`rms_norm`, what layers and pass patterns call), and
+fused_add_rms_norm: the residual add and the RMSNorm after it, as one functional op.
 
 It is the epilogue of the tensor-parallel all-reduce fusion (all-reduce + add + RMSNorm in one
 kernel); alone it saves the round trip of the sum through memory. Schema in csrc/ops.cpp, CUDA
@@ -6,10 +7,19 @@ kernel in csrc/cuda/norm_quant_kernels.cu; the CPU implementation is the torch c
 `RMSNorm(x, residual)` runs, so both give the same numbers.
 """
 
+from __future__ import annotations
+
 import torch
 from torch import Tensor
 
-from compilelm.layers.layernorm import rms_norm
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    # x: [..., hidden]; weight: [hidden], or None where a pass folded it into the next projection.
+    # Hugging Face's LlamaRMSNorm arithmetic: normalize in fp32, scale in the input dtype.
+    orig_dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x.to(orig_dtype) if weight is None else weight * x.to(orig_dtype)
 
 
 def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:

@@ -7,13 +7,13 @@ KV-cache write). At 3-64 rows on sm_90 that is two kernels where the graph ran t
     consumer  hopper_gemm.py's kernel on h against w2, whose accumulators it scales by rms_norm's
               rstd = rsqrt(sum(partials) / N + eps) before rounding
 
-The norm has no weight here: compilelm/models/fold_norms.py folds it into w2 at load, where these
+The norm has no weight here: passes.fuse_norm_gemm (prepare_model) folds it into w2 at load, where these
 ops will take the layer. Where they don't take the call (1-2 or more than 64 rows, other GPUs,
 shapes the kernels don't take, `set_hopper_gemm(False)`) they run what the graph ran before them:
-skinny_mm, the fused add + RMSNorm kernel, then the second projection.
+linear, the fused add + RMSNorm kernel, then the second projection.
 
-    mm_add_rms_norm_mm_silu_mul(x, w, residual, eps, w2) -> (silu_and_mul(rms_norm(h) @ w2.T), h)
-    mm_add_rms_norm_mm_rope(x, w, residual, eps, w2, positions, cos_sin_cache, key_cache,
+    linear_add_rms_norm_gate_up_silu_mul(x, w, residual, eps, w2) -> (silu_and_mul(rms_norm(h) @ w2.T), h)
+    linear_add_rms_norm_qkv_rope_cache(x, w, residual, eps, w2, positions, cos_sin_cache, key_cache,
                             value_cache, slot_mapping, num_heads) -> (rotated query, h)
 
 Rounding: the reference (the CPU kernels) rounds h * rstd to the input type before the second
@@ -22,16 +22,17 @@ outputs differ from the reference in the last bit of some elements. Why not the 
 roundings: normalizing each h tile in registers before the wgmma (or applying the weight there)
 cost ~20 us a Llama-3.1-8B layer in Triton 3.6, and a grid barrier in the producer ~4 us a norm
 (benchmarks/results/decode_session23_gpu.log). The saving this way: ~1.5 us a layer on an H100
-(Llama-3.1-8B batch 64, 8.809 -> 8.756 ms a step; compilelm/passes/fuse_norm_gemm.py).
+(Llama-3.1-8B batch 64, 8.809 -> 8.756 ms a step; compilelm/passes/fusion/fuse_norm_gemm.py).
 """
 
 import functools
 
 import torch
 
-from compilelm.layers.layernorm import rms_norm
-from compilelm.ops.linear import skinny_mm_ref, skinny_mm_silu_mul_ref
-from compilelm.ops.rope_cache import skinny_mm_rope_ref
+from compilelm.ops.gemm import linear_ref, gate_up_silu_mul_ref
+from compilelm.ops.library import LIB, define
+from compilelm.ops.norm import rms_norm
+from compilelm.ops.qkv_rope import next_cache_args, qkv_rope_fake, qkv_rope_cache_ref
 
 try:
     import triton
@@ -43,10 +44,9 @@ except ImportError:  # CPU builds of torch ship without Triton
     triton = None
 
 ops = torch.ops.compilelm
-_lib = torch.library.Library("compilelm", "FRAGMENT")  # the namespace is csrc/ops.cpp's
-_lib.define("mm_add_rms_norm_mm_silu_mul(Tensor x, Tensor weight, Tensor residual, float eps, Tensor weight2) "
+LIB.define("linear_add_rms_norm_gate_up_silu_mul(Tensor x, Tensor weight, Tensor residual, float eps, Tensor weight2) "
             "-> (Tensor, Tensor)")
-_lib.define("mm_add_rms_norm_mm_rope(Tensor x, Tensor weight, Tensor residual, float eps, Tensor weight2, "
+LIB.define("linear_add_rms_norm_qkv_rope_cache(Tensor x, Tensor weight, Tensor residual, float eps, Tensor weight2, "
             "Tensor positions, Tensor cos_sin_cache, Tensor(a!) key_cache, Tensor(b!) value_cache, "
             "Tensor slot_mapping, int num_heads) -> (Tensor, Tensor)")
 MIN_WEIGHT = 8 << 20  # elements: as the C++ router's, for both weights (hopper_gemm.py)
@@ -59,39 +59,39 @@ def _check(x, weight, residual, weight2, op):
                          f"{tuple(weight.shape)}, {tuple(residual.shape)} and {tuple(weight2.shape)}")
 
 
-def mm_add_rms_norm_ref(x, weight, residual, eps):
+def linear_add_rms_norm_ref(x, weight, residual, eps):
     # -> (rms_norm(h) without a weight, h = x @ weight.T + residual)
-    h = skinny_mm_ref(x, weight) + residual
+    h = linear_ref(x, weight) + residual
     return rms_norm(h, None, eps), h
 
 
-def mm_add_rms_norm_mm_silu_mul_ref(x, weight, residual, eps, weight2):
-    _check(x, weight, residual, weight2, "mm_add_rms_norm_mm_silu_mul")
-    normed, h = mm_add_rms_norm_ref(x, weight, residual, eps)
-    return skinny_mm_silu_mul_ref(normed, weight2), h
+def linear_add_rms_norm_gate_up_silu_mul_ref(x, weight, residual, eps, weight2):
+    _check(x, weight, residual, weight2, "linear_add_rms_norm_gate_up_silu_mul")
+    normed, h = linear_add_rms_norm_ref(x, weight, residual, eps)
+    return gate_up_silu_mul_ref(normed, weight2), h
 
 
-def mm_add_rms_norm_mm_rope_ref(x, weight, residual, eps, weight2, positions, cos_sin_cache, key_cache, value_cache,
+def linear_add_rms_norm_qkv_rope_cache_ref(x, weight, residual, eps, weight2, positions, cos_sin_cache, key_cache, value_cache,
                                 slot_mapping, num_heads):
-    _check(x, weight, residual, weight2, "mm_add_rms_norm_mm_rope")
-    normed, h = mm_add_rms_norm_ref(x, weight, residual, eps)
-    return skinny_mm_rope_ref(normed, weight2, positions, cos_sin_cache, key_cache, value_cache, slot_mapping,
+    _check(x, weight, residual, weight2, "linear_add_rms_norm_qkv_rope_cache")
+    normed, h = linear_add_rms_norm_ref(x, weight, residual, eps)
+    return qkv_rope_cache_ref(normed, weight2, positions, cos_sin_cache, key_cache, value_cache, slot_mapping,
                               num_heads), h
 
 
-torch.library.register_kernel("compilelm::mm_add_rms_norm_mm_silu_mul", "cpu", mm_add_rms_norm_mm_silu_mul_ref)
-torch.library.register_kernel("compilelm::mm_add_rms_norm_mm_rope", "cpu", mm_add_rms_norm_mm_rope_ref)
+torch.library.register_kernel("compilelm::linear_add_rms_norm_gate_up_silu_mul", "cpu", linear_add_rms_norm_gate_up_silu_mul_ref)
+torch.library.register_kernel("compilelm::linear_add_rms_norm_qkv_rope_cache", "cpu", linear_add_rms_norm_qkv_rope_cache_ref)
 
 
-@torch.library.register_fake("compilelm::mm_add_rms_norm_mm_silu_mul")
+@torch.library.register_fake("compilelm::linear_add_rms_norm_gate_up_silu_mul")
 def _(x, weight, residual, eps, weight2):
-    _check(x, weight, residual, weight2, "mm_add_rms_norm_mm_silu_mul")
+    _check(x, weight, residual, weight2, "linear_add_rms_norm_gate_up_silu_mul")
     return x.new_empty((x.shape[0], weight2.shape[0] // 2)), x.new_empty(residual.shape)
 
 
-@torch.library.register_fake("compilelm::mm_add_rms_norm_mm_rope")
+@torch.library.register_fake("compilelm::linear_add_rms_norm_qkv_rope_cache")
 def _(x, weight, residual, eps, weight2, positions, cos_sin_cache, key_cache, value_cache, slot_mapping, num_heads):
-    _check(x, weight, residual, weight2, "mm_add_rms_norm_mm_rope")
+    _check(x, weight, residual, weight2, "linear_add_rms_norm_qkv_rope_cache")
     return x.new_empty((x.shape[0], num_heads, key_cache.shape[3])), x.new_empty(residual.shape)
 
 
@@ -101,8 +101,8 @@ def _ones(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def _unfused(x, weight, residual, eps):
-    """The graph's kernels before the fusion: skinny_mm, then the add + RMSNorm kernel."""
-    return ops.fused_add_rms_norm(ops.skinny_mm(x, weight), residual, _ones(weight.shape[0], x.dtype, x.device), eps)
+    """The graph's kernels before the fusion: linear, then the add + RMSNorm kernel."""
+    return ops.fused_add_rms_norm(ops.linear(x, weight), residual, _ones(weight.shape[0], x.dtype, x.device), eps)
 
 
 def shapes_fit(weight_shape, weight2_shape) -> bool:
@@ -138,23 +138,23 @@ def _mm_add_sumsq(x, weight, residual):
     return h, partials
 
 
-@torch.library.register_kernel("compilelm::mm_add_rms_norm_mm_silu_mul", "cuda")
+@torch.library.register_kernel("compilelm::linear_add_rms_norm_gate_up_silu_mul", "cuda")
 def _(x, weight, residual, eps, weight2):
     if not takes(x, weight, weight2):
         normed, h = _unfused(x, weight, residual, eps)
-        return ops.skinny_mm_silu_mul(normed, weight2), h
+        return ops.gate_up_silu_mul(normed, weight2), h
     h, partials = _mm_add_sumsq(x, weight, residual)
     out = torch.empty((x.shape[0], weight2.shape[0] // 2), dtype=x.dtype, device=x.device)
     hopper_mm_out(h, weight2, out, ops.programmatic_launch(), True, norm=(partials, eps))
     return out, h
 
 
-@torch.library.register_kernel("compilelm::mm_add_rms_norm_mm_rope", "cuda")
+@torch.library.register_kernel("compilelm::linear_add_rms_norm_qkv_rope_cache", "cuda")
 def _(x, weight, residual, eps, weight2, positions, cos_sin_cache, key_cache, value_cache, slot_mapping, num_heads):
     d = key_cache.shape[3]
     if not (takes(x, weight, weight2) and d % 64 == 0 and key_cache.is_contiguous() and value_cache.is_contiguous()):
         normed, h = _unfused(x, weight, residual, eps)
-        return ops.skinny_mm_rope(normed, weight2, positions, cos_sin_cache, key_cache, value_cache, slot_mapping,
+        return ops.qkv_rope_cache(normed, weight2, positions, cos_sin_cache, key_cache, value_cache, slot_mapping,
                                   num_heads), h
     h, partials = _mm_add_sumsq(x, weight, residual)
     q = torch.empty((x.shape[0], num_heads, d), dtype=x.dtype, device=x.device)
@@ -185,3 +185,21 @@ if triton is not None:
         tl.store(h_ptr + at, h, mask=mask)
         hf = tl.where(mask, h.to(tl.float32), 0.0)
         tl.store(part_ptr + pid * 64 + rm, tl.sum(hf * hf, axis=0))  # (row stride PART_ROWS = 64)
+
+
+# -- the graph op of the QKV side: the caches from the forward context ---------------------------
+
+def _linear_add_qkv_rope_fake(x, weight, residual, eps, *args):
+    return qkv_rope_fake(x, *args), x.new_empty(residual.shape)
+
+
+@define("linear_add_rms_norm_qkv_rope(Tensor x, Tensor weight, Tensor residual, float eps, Tensor weight2, "
+         "Tensor positions, Tensor cos_sin_cache, int num_heads) -> (Tensor, Tensor)", _linear_add_qkv_rope_fake)
+def linear_add_rms_norm_qkv_rope(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, eps: float,
+                             weight2: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                             num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # qkv_rope of rms_norm(h) (no weight: folded into weight2), h = x @ weight.T + residual
+    # -> (rotated q [num_tokens, num_heads * head_dim], h)
+    q, h = torch.ops.compilelm.linear_add_rms_norm_qkv_rope_cache(x, weight, residual, eps, weight2, positions, cos_sin_cache,
+                                                       *next_cache_args(num_heads))
+    return q.view(x.shape[0], -1), h

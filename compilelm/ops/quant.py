@@ -18,6 +18,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from compilelm.ops.activation import silu_and_mul
+from compilelm.ops.norm import rms_norm
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # keeps all-zero rows finite (vLLM's floor)
@@ -42,18 +45,6 @@ def _quant(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor]:
     if scale is None:
         return quant_fp8_per_token_ref(x)
     return quant_fp8_static_ref(x, scale), scale.clone()  # a new tensor: outputs may not alias inputs
-
-
-def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    # The arithmetic of compilelm.layers.layernorm.rms_norm (normalize in fp32, scale in x's dtype).
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def silu_mul_ref(x: Tensor) -> Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
 
 
 # -- the ops: wrappers, CPU implementations, fake impls ----------------------------------------
@@ -96,19 +87,19 @@ def _(x, scale):
 
 @torch.library.register_kernel("compilelm::rms_norm_quant_fp8", "cpu")
 def _(x, weight, eps, scale):
-    return _quant(rms_norm_ref(x, weight, eps), scale)
+    return _quant(rms_norm(x, weight, eps), scale)
 
 
 @torch.library.register_kernel("compilelm::fused_add_rms_norm_quant_fp8", "cpu")
 def _(x, residual, weight, eps, scale):
     residual = x + residual
-    q, s = _quant(rms_norm_ref(residual, weight, eps), scale)
+    q, s = _quant(rms_norm(residual, weight, eps), scale)
     return q, s, residual
 
 
 @torch.library.register_kernel("compilelm::silu_mul_quant_fp8", "cpu")
 def _(x, scale):
-    return _quant(silu_mul_ref(x), scale)
+    return _quant(silu_and_mul(x), scale)
 
 
 @torch.library.register_fake("compilelm::quant_fp8_per_token")

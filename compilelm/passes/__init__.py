@@ -1,5 +1,11 @@
 """compilelm's graph passes and the API for writing new ones (see docs/writing_a_pass.md).
 
+    base.py, manager.py, config.py   the pass base classes, the ordered pass list, the switches
+                                     (config.py's BUILTIN_PASSES: one line registers a pass)
+    fusion/                          one fusion per file: fuse_<what>.py holding <What>FusionPass
+    utility/                         no-op elimination, linear routing, cleanup, in-place lowering
+    debug/                           the recorder (dumps, report), --verify, the test harness
+
 Only `PassConfig` is imported with the package; the other names load their module on first use
 (they need Inductor's pattern matcher, which `CompileConfig` and eager engines never do)."""
 
@@ -10,12 +16,12 @@ from compilelm.passes.config import PassConfig
 # name -> the module of this package that defines it
 _LAZY = {
     "CompilePass": "base", "FusionPass": "base", "pass_uuid": "base",
-    "CleanupPass": "cleanup",
-    "InplaceLoweringPass": "inplace_lowering", "register_inplace": "inplace_lowering",
+    "CleanupPass": "utility.cleanup",
+    "InplaceLoweringPass": "utility.inplace_lowering", "register_inplace": "utility.inplace_lowering",
     "PassManager": "manager", "load_pass": "manager",
-    "NoOpEliminationPass": "noop_elimination",
-    "PassRecord": "recorder", "PassRecorder": "recorder",
-    "max_error": "verify", "random_inputs": "verify", "snapshot": "verify",
+    "NoOpEliminationPass": "utility.noop_elimination",
+    "PassRecord": "debug.recorder", "PassRecorder": "debug.recorder",
+    "max_error": "debug.verify", "random_inputs": "debug.verify", "snapshot": "debug.verify",
 }
 
 __all__ = sorted(["PassConfig", *_LAZY])

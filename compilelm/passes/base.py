@@ -22,6 +22,12 @@ same signature, registered in `register()`:
 `stage` says where a pass runs: "post_grad" (inside Inductor, once per piece) or "whole_graph"
 (on the aten graph of the whole model before the piecewise split, where a pattern may span
 the attention op). Both stages see the same functional, decomposed aten IR.
+
+Two optional hooks: `applies_to(graph)` (False: the graph is skipped and not even recorded, e.g.
+a CUDA-only pass on a CPU graph) and `prepare_model(model)`, the pass's load-time rewrite of the
+model (say, folding weights into the layout its fused op wants), which the compiler runs once
+before tracing and before loading cached pieces. A pass owns such a rewrite: it decides there
+which layers it will take, from the model alone, and nothing else in compilelm repeats that.
 """
 
 from __future__ import annotations
@@ -34,8 +40,8 @@ import weakref
 from typing import Any, Callable, ClassVar
 
 import torch
+from torch import nn
 
-import compilelm.graphs.lazy_templates  # noqa: F401  (before Inductor's kernel modules load)
 from torch._inductor import pattern_matcher as pm
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -64,7 +70,19 @@ class CompilePass(CustomGraphPass):
         """The config values this pass depends on (they enter the uuid)."""
         return {}
 
+    def applies_to(self, graph: torch.fx.Graph) -> bool:
+        """Whether to run on (and record) this graph: a cheap check, e.g. for a node it rewrites."""
+        return True
+
+    def prepare_model(self, model: nn.Module) -> str | None:
+        """The load-time rewrite this pass needs, applied to `model` in place; returns what it did
+        (a line for `compile --dump`'s report), or None if it left the model alone. Runs on every
+        compile, warm or cold, before tracing; must be idempotent and import no compiler module."""
+        return None
+
     def __call__(self, graph: torch.fx.Graph) -> None:
+        if not self.applies_to(graph):
+            return
         before = self.recorder.before(self, graph) if self.recorder is not None else None
         start = time.perf_counter()
         n = int(self.run(graph) or 0)
@@ -157,7 +175,7 @@ _traces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fake mode ->
 
 
 def _trace(fn: Callable, args, kwargs) -> torch.fx.GraphModule:
-    from compilelm.passes.noop_elimination import NoOpEliminationPass
+    from compilelm.passes.utility.noop_elimination import NoOpEliminationPass
 
     gm = pm.fwd_only(fn, args, run_functional_passes=False, **kwargs)
     NoOpEliminationPass().run(gm.graph)
@@ -168,8 +186,6 @@ def _trace(fn: Callable, args, kwargs) -> torch.fx.GraphModule:
 def _trace_key(fn: Callable, args, kwargs) -> tuple | None:
     """What a trace depends on, or None if that cannot be told (then it is not kept). The
     matcher's wrappers are fresh closures per match: the functions they close over count."""
-    from compilelm.graphs.piecewise import describe  # dtype[shape]/[stride]@device, Sym(s0)
-
     code = getattr(fn, "__code__", None)
     if code is None:
         return None
@@ -195,3 +211,13 @@ def pass_uuid(cls: type, config: dict[str, Any]) -> str:
         h.update(f.read())
     h.update(json.dumps(config, sort_keys=True, default=str).encode())
     return h.hexdigest()
+
+
+def describe(v) -> str:
+    """'f32[s72, 64]/[64, 1]@cpu' for a tensor, 'Sym(s72)' for a SymInt, repr otherwise."""
+    if isinstance(v, torch.Tensor):
+        dtype = str(v.dtype).replace("torch.", "")
+        return f"{dtype}[{', '.join(map(str, v.shape))}]/[{', '.join(map(str, v.stride()))}]@{v.device}"
+    if isinstance(v, torch.SymInt):
+        return f"Sym({v})"
+    return repr(v)

@@ -1,7 +1,10 @@
-"""Switches for compilelm's graph passes (one bool per pass), part of `CompileConfig.passes`.
+"""The built-in passes and their switches: `PassConfig`, part of `CompileConfig.passes`.
 
-A fusion pass adds its switch here, with the default it has at `-O2`; `_LEVEL_OFF` in
-`compilelm/graphs/config.py` lists the switches that `-O1` turns off. User overrides always win.
+Each field is one built-in pass: its switch (on by default, i.e. at -O2), the class it runs
+("module:Class" under compilelm.passes, imported only when a compiler is built) and the lowest
+-O level it is on at (1: infrastructure, 2: fusions). Field order is run order within each stage
+(a pass's class says its stage). Adding a built-in pass is its file plus one line here. User
+overrides always win over the level's defaults (compilelm/graphs/config.py).
 
 Also the parser of custom-pass specs, which `CompileConfig` validates with: this module imports
 no torch, so reading a config never loads the pass machinery.
@@ -9,23 +12,31 @@ no torch, so reading a config never loads the pass machinery.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
+
+
+def builtin(path: str, level: int = 2, stages: tuple[str, ...] = ()):
+    """A switch field for the built-in pass `path` ("subpackage.module:Class"), on from -O`level`;
+    `stages` only for a pass that runs in more than its class's stage."""
+    return field(default=True, metadata={"pass": path, "level": level, "stages": stages})
 
 
 @dataclass(frozen=True)
 class PassConfig:
-    eliminate_noops: bool = True  # NoOpEliminationPass: reshape chains, identity views/slices
-    lower_inplace: bool = True  # InplaceLoweringPass: functional op -> in-place kernel, late
-    fuse_rope_attention: bool = True  # RopeAttentionFusionPass: (QK-norm +) RoPE + attention -> one op
-    fuse_norm_quant: bool = True  # RMSNormQuantFusionPass: (add +) rms_norm + fp8 quant -> one op
-    fuse_act_quant: bool = True  # SiluMulQuantFusionPass: silu_and_mul + fp8 quant -> one op
-    fuse_allreduce_rms: bool = True  # AllReduceRMSNormFusionPass: TP all-reduce + add + rms_norm -> one op
-    unfuse_residual_addmm: bool = True  # UnfuseResidualAddmmPass (CUDA): addmm(residual, x, w) -> mm + add
-    skinny_mm: bool = True  # SkinnyMMPass (CUDA): a linear's mm -> compilelm.skinny_mm (weight streamed at M <= 2)
-    fuse_norm_skinny_mm: bool = True  # RMSNormSkinnyMMFusionPass (CUDA): (add +) rms_norm + skinny_mm -> one op
-    fuse_act_skinny_mm: bool = True  # SiluMulSkinnyMMFusionPass (CUDA): silu_and_mul + skinny_mm -> one op
-    fuse_qkv_rope: bool = True  # QKVRopeFusionPass (CUDA): QKV projection + RoPE + cache write -> one op
-    fuse_norm_gemm: bool = True  # NormGemmFusionPass (CUDA): o/down + add + RMSNorm + gate_up/qkv -> one op
+    # stage whole_graph (before the split) and post_grad (per piece), in run order
+    eliminate_noops: bool = builtin("utility.noop_elimination:NoOpEliminationPass", 1, ("whole_graph", "post_grad"))
+    fuse_allreduce_rms: bool = builtin("fusion.fuse_allreduce_rms:AllReduceRMSNormFusionPass")
+    fuse_rope_attention: bool = builtin("fusion.fuse_rope_attention:RopeAttentionFusionPass")
+    unfuse_residual_addmm: bool = builtin("utility.unfuse_residual_addmm:UnfuseResidualAddmmPass", 1)
+    route_linear: bool = builtin("utility.route_linear:RouteLinearPass", 1)
+    fuse_norm_linear: bool = builtin("fusion.fuse_norm_linear:RMSNormLinearFusionPass")
+    fuse_act_linear: bool = builtin("fusion.fuse_act_linear:SiluMulLinearFusionPass")
+    fuse_qkv_rope: bool = builtin("fusion.fuse_qkv_rope:QKVRopeFusionPass")
+    fuse_norm_gemm: bool = builtin("fusion.fuse_norm_gemm:NormGemmFusionPass")
+    fuse_norm_quant: bool = builtin("fusion.fuse_norm_quant:RMSNormQuantFusionPass")
+    fuse_act_quant: bool = builtin("fusion.fuse_act_quant:SiluMulQuantFusionPass")
+    # the tail, after every other pass: functional ops -> in-place kernels (cleanups around it)
+    lower_inplace: bool = builtin("utility.inplace_lowering:InplaceLoweringPass", 1, ("tail",))
 
     def __post_init__(self):
         for f in fields(self):
@@ -40,8 +51,18 @@ class PassConfig:
             raise ValueError(f"unknown field(s) in passes: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
         return cls(**d)
 
+    @classmethod
+    def for_level(cls, level: int) -> dict:
+        """The switches that are off at -O`level` (none at 2 and up)."""
+        return {f.name: False for f in fields(cls) if f.metadata["level"] > level}
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def builtin_passes() -> list[tuple[str, str, tuple[str, ...]]]:
+    """(switch, "module:Class" under compilelm.passes, extra stages) of every built-in pass, in order."""
+    return [(f.name, f.metadata["pass"], f.metadata["stages"]) for f in fields(PassConfig)]
 
 
 STAGES = ("whole_graph", "post_grad")

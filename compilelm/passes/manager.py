@@ -1,12 +1,12 @@
 """The pass manager: the ordered list of passes built from a `PassConfig`, installed as
 Inductor's `post_grad_custom_post_pass` for every piece.
 
-Order (documented, fixed):
+Order (fixed; compilelm/passes/config.py lists the built-in passes in it):
 
-    whole graph (before the split):  NoOpElimination, <whole-graph fusions>, <custom whole-graph>
-    post-grad (per piece):           NoOpElimination, UnfuseResidualAddmm, SkinnyMM, RMSNormSkinnyMM, SiluMulSkinnyMM,
-                                     QKVRope, <fusions>,
-                                     <custom post-grad>,
+    whole graph (before the split):  NoOpElimination, AllReduceRMSNorm, RopeAttention, <custom whole-graph>
+    post-grad (per piece):           NoOpElimination, UnfuseResidualAddmm, RouteLinear (linear routing),
+                                     RMSNormLinear, SiluMulLinear, QKVRope, NormGemm, RMSNormQuant,
+                                     SiluMulQuant, <custom post-grad>,
                                      then always the tail: Cleanup, InplaceLowering, Cleanup
 
 Custom passes ("module:Class", optionally ",stage=whole_graph|post_grad" and ",before=Pass" or
@@ -15,6 +15,9 @@ Custom passes ("module:Class", optionally ",stage=whole_graph|post_grad" and ",b
 Fusions target functional ops; the tail turns them into in-place kernels once, at the very end
 (no pass may run after it). `uuid()` combines every pass's uuid, so editing any pass — or
 switching one on — changes Inductor's cache key and compilelm's compile cache key.
+
+Before tracing, the compiler calls `prepare_model`: each pass's load-time rewrite of the model
+(CompilePass.prepare_model), in pass order.
 """
 
 from __future__ import annotations
@@ -23,13 +26,12 @@ import hashlib
 import importlib
 
 import torch
+from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from compilelm.passes.base import CompilePass
-from compilelm.passes.cleanup import CleanupPass
-from compilelm.passes.config import PassConfig, parse_pass_spec
-from compilelm.passes.inplace_lowering import InplaceLoweringPass
-from compilelm.passes.noop_elimination import NoOpEliminationPass
+from compilelm.passes.config import PassConfig, builtin_passes, parse_pass_spec
+from compilelm.passes.utility.cleanup import CleanupPass
 
 
 class PassManager(CustomGraphPass):
@@ -37,45 +39,18 @@ class PassManager(CustomGraphPass):
         self.config = config
         self.whole_graph: list[CompilePass] = []
         self.post_grad: list[CompilePass] = []
-        if config.eliminate_noops:
-            self.whole_graph.append(NoOpEliminationPass(config))
-            self.post_grad.append(NoOpEliminationPass(config))
-        if config.unfuse_residual_addmm:  # first: the fusions below may want the add
-            from compilelm.passes.unfuse_residual_addmm import UnfuseResidualAddmmPass
-            self.post_grad.append(UnfuseResidualAddmmPass(config))
-        if config.skinny_mm:  # after the unfuse: it makes the mms this one routes
-            from compilelm.passes.skinny_mm import SkinnyMMPass
-            self.post_grad.append(SkinnyMMPass(config))
-        if config.fuse_norm_skinny_mm:  # after SkinnyMM: it fuses into the skinny_mm nodes
-            from compilelm.passes.fuse_norm_skinny_mm import RMSNormSkinnyMMFusionPass
-            self.post_grad.append(RMSNormSkinnyMMFusionPass(config))
-        if config.fuse_act_skinny_mm:  # after SkinnyMM, likewise
-            from compilelm.passes.fuse_act_skinny_mm import SiluMulSkinnyMMFusionPass
-            self.post_grad.append(SiluMulSkinnyMMFusionPass(config))
-        if config.fuse_qkv_rope:  # after RMSNormSkinnyMM: it fuses into the normed projections
-            from compilelm.passes.fuse_qkv_rope import QKVRopeFusionPass
-            self.post_grad.append(QKVRopeFusionPass(config))
-        if config.fuse_norm_gemm:  # after QKVRope and SiluMulSkinnyMM: it fuses into qkv_rope, skinny_mm_silu_mul
-            from compilelm.passes.fuse_norm_gemm import NormGemmFusionPass
-            self.post_grad.append(NormGemmFusionPass(config))
-        # Fusion passes are appended here, in order, each behind its PassConfig switch.
-        if config.fuse_allreduce_rms:
-            from compilelm.passes.fuse_allreduce_rms import AllReduceRMSNormFusionPass
-            self.whole_graph.append(AllReduceRMSNormFusionPass(config))
-        if config.fuse_rope_attention:
-            from compilelm.passes.fuse_rope_attention import RopeAttentionFusionPass
-            self.whole_graph.append(RopeAttentionFusionPass(config))
-        if config.fuse_norm_quant:
-            from compilelm.passes.fuse_rms_quant import RMSNormQuantFusionPass
-            self.post_grad.append(RMSNormQuantFusionPass(config))
-        if config.fuse_act_quant:
-            from compilelm.passes.fuse_act_quant import SiluMulQuantFusionPass
-            self.post_grad.append(SiluMulQuantFusionPass(config))
+        self.tail: list[CompilePass] = [CleanupPass(config)]
+        for switch, path, stages in builtin_passes():
+            if not getattr(config, switch):
+                continue
+            cls = load_pass(f"{__package__}.{path}")
+            for stage in stages or (cls.stage,):
+                if stage == "tail":
+                    self.tail += [cls(config), CleanupPass(config)]
+                else:
+                    (self.whole_graph if stage == "whole_graph" else self.post_grad).append(cls(config))
         for spec in custom_passes:
             self._add_custom(spec)
-        self.tail: list[CompilePass] = [CleanupPass(config)]
-        if config.lower_inplace:
-            self.tail += [InplaceLoweringPass(config), CleanupPass(config)]
 
     def _add_custom(self, spec: str) -> None:
         """Custom pass "module:Class[,stage=...][,before=Pass|after=Pass]": by default at the end
@@ -98,6 +73,15 @@ class PassManager(CustomGraphPass):
     @property
     def passes(self) -> list[CompilePass]:
         return self.whole_graph + self.post_grad + self.tail
+
+    def prepare_model(self, model: nn.Module) -> list[str]:
+        """Runs every pass's load-time rewrite on `model`; returns what they did, "Pass: what" each."""
+        done = []
+        for p in self.passes:
+            what = p.prepare_model(model)
+            if what:
+                done.append(f"{p.name}: {what}")
+        return done
 
     def set_recorder(self, recorder) -> None:
         for p in self.passes:

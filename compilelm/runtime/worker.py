@@ -15,7 +15,6 @@ import torch
 
 from compilelm.config import EngineConfig
 from compilelm.distributed.parallel_state import destroy_distributed, init_distributed
-from compilelm.models import fold_norms
 from compilelm.models.loader import build_model, load_model_config, resolve_model
 from compilelm.models.registry import get_model_class
 from compilelm.runtime import memory
@@ -46,8 +45,6 @@ class Worker:
             get_model_class(self.model_config)  # the model's imports first: the thread's are disjoint from here on
             threading.Thread(target=_prime_compiler, name="compilelm-prime-compiler", daemon=True).start()
         self.model = build_model(self.source, self.model_config, self.dtype, self.device, config.quantization)
-        if fold_norms.applies(self.model, self.config, self.dtype, self.device):  # for passes.fuse_norm_gemm
-            fold_norms.fold_norm_weights(self.model)
         self.model_runner: ModelRunner | None = None
 
     def num_kv_blocks(self) -> int:

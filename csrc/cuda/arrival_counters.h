@@ -1,5 +1,5 @@
 // Per-device arrival counters for kernels whose blocks merge their work in the last block to
-// arrive (decode attention's split-K, argmax_rows, skinny_mm_argmax_out): all zero between
+// arrive (decode attention's split-K, argmax_rows, linear_argmax_out): all zero between
 // launches, every launch leaves them as it found them. Each user has its own range, so two users
 // never share a counter. kLmHeadArgmax's range: the counter at [0], then from int 2 on (8-byte
 // aligned) one 64-bit running-maximum key per row.

@@ -101,24 +101,24 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps); 
 at::Tensor silu_and_mul(const at::Tensor& x);  // x: [M, 2K] rows (gate | up) -> [M, K]; a helper too
 
 // skinny_mm.cu
-at::Tensor skinny_mm(const at::Tensor& x, const at::Tensor& weight);
-void skinny_mm_out(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out);
-void skinny_mm_argmax_out(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out,
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight);
+void linear_out(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out);
+void linear_argmax_out(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out,
                           const at::Tensor& argmax);
-at::Tensor rms_norm_skinny_mm(const at::Tensor& x, const at::Tensor& norm_weight, double eps, const at::Tensor& weight);
-std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_skinny_mm(const at::Tensor& x, const at::Tensor& residual,
+at::Tensor rms_norm_linear(const at::Tensor& x, const at::Tensor& norm_weight, double eps, const at::Tensor& weight);
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_linear(const at::Tensor& x, const at::Tensor& residual,
                                                                 const at::Tensor& norm_weight, double eps,
                                                                 const at::Tensor& weight);
-at::Tensor silu_mul_skinny_mm(const at::Tensor& x, const at::Tensor& weight);
-at::Tensor skinny_mm_silu_mul(const at::Tensor& x, const at::Tensor& weight);
-at::Tensor skinny_mm_rope(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& positions,
+at::Tensor silu_mul_linear(const at::Tensor& x, const at::Tensor& weight);
+at::Tensor gate_up_silu_mul(const at::Tensor& x, const at::Tensor& weight);
+at::Tensor qkv_rope_cache(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& positions,
                           const at::Tensor& cos_sin_cache, at::Tensor& key_cache, at::Tensor& value_cache,
                           const at::Tensor& slot_mapping, int64_t num_heads);
-at::Tensor rms_norm_skinny_mm_rope(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
+at::Tensor rms_norm_qkv_rope_cache(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
                                    const at::Tensor& weight, const at::Tensor& positions,
                                    const at::Tensor& cos_sin_cache, at::Tensor& key_cache, at::Tensor& value_cache,
                                    const at::Tensor& slot_mapping, int64_t num_heads);
-std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_skinny_mm_rope(
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_qkv_rope_cache(
     const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm_weight, double eps,
     const at::Tensor& weight, const at::Tensor& positions, const at::Tensor& cos_sin_cache, at::Tensor& key_cache,
     at::Tensor& value_cache, const at::Tensor& slot_mapping, int64_t num_heads);

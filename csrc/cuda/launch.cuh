@@ -24,11 +24,11 @@
 //   batch 1) was otherwise exposed. (H100, SmolLM2-135M batch 1: graph 0.677 -> 0.642 ms, step
 //   0.708 -> 0.674 ms; .gpu_tune chain of 30 layers 21.4 -> 20.4 us per layer. At Llama-3.1-8B
 //   shapes it cost 5.80 -> 5.94 ms at batch 1.)
-// - the (add +) RMSNorm variants of skinny_mm (skinny_mm.cu: the QKV and gate_up projections
+// - the (add +) RMSNorm variants of linear (skinny_mm.cu: the QKV and gate_up projections
 //   at batch 1-2), so rope_and_cache / decode attention and down_proj's weight stream start
 //   while the projection still waits and normalizes. (H100, SmolLM2-135M batch 1: graph
 //   0.604 -> 0.598-0.599 ms, step 0.624-0.626 -> 0.619-0.620 ms; Llama-3.1-8B batch 1 unchanged,
-//   5.830-5.834 -> 5.826-5.830 ms; the same for every skinny_mm variant: 0.605-0.608 ms.)
+//   5.830-5.834 -> 5.826-5.830 ms; the same for every linear variant: 0.605-0.608 ms.)
 // A kernel may therefore start before the ones two or three back are complete; what it reads
 // before its wait is never written during a forward, and its wait returns only after the kernel
 // just before, which itself waited for the one before it.
@@ -36,7 +36,7 @@
 // Before the wait a kernel may read only what no kernel writes during a forward: weights
 // (parameters, the RoPE cos/sin table), a step's metadata (positions, slots, sequence lengths,
 // block tables: copied from the host before the step) and the KV cache rows of earlier steps.
-// skinny_mm starts its weight stream there, decode attention its first context rows,
+// linear starts its weight stream there, decode attention its first context rows,
 // rope_and_cache its cos/sin: these loads overlap the kernel before. (Paged attention alone, 30
 // calls in a graph on an H100: 7.6 -> 6.6 us at SmolLM2-135M batch 1, 13.1 -> 11.0 us at
 // Llama-3.1-8B batch 1; whole decode steps changed within 1%.)

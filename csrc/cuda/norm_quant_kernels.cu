@@ -2,7 +2,7 @@
 // (entry points and checks: fused_ops.cpp). One program per token row:
 //
 //   pass 1  r = x (+ residual, rounded to T and stored as residual_out); sum of r^2 in fp32
-//   pass 2  y = T(weight * T(r * rsqrt(mean + eps)))  -- compilelm.layers.layernorm.rms_norm's
+//   pass 2  y = T(weight * T(r * rsqrt(mean + eps)))  -- compilelm.ops.norm.rms_norm's
 //           roundings; store y (kNone), or fp8(y / scale) (kStatic), or take amax(|y|) (kDynamic)
 //   pass 3  kDynamic only: scale = max(amax / 448, 1 / (448 * 512)); store fp8(y / scale)
 //

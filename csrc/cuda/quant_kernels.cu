@@ -1,6 +1,6 @@
 // FP8 quantization row kernels: quant_fp8_per_token, quant_fp8_static, silu_mul_quant_fp8
-// (entry points and checks: fused_ops.cpp), and SiLU-and-mul alone (silu_mul_skinny_mm's
-// fallback above two rows, skinny_mm_silu_mul's below three). One program per token row (SiLU-and-mul
+// (entry points and checks: fused_ops.cpp), and SiLU-and-mul alone (silu_mul_linear's
+// fallback above two rows, gate_up_silu_mul's below three). One program per token row (SiLU-and-mul
 // alone: several, each a slice of the row):
 //
 //   y = x, or with silu_mul  y = T(T(silu(gate)) * up)  (torch's roundings of F.silu(gate) * up)

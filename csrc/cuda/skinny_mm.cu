@@ -1,6 +1,6 @@
-// skinny_mm: y = x @ weight.T for one or two rows of x (decode at batch 1-2), CUDA cores, alone,
-// after an RMSNorm (rms_norm_skinny_mm, fused_add_rms_norm_skinny_mm) or after SiLU-and-mul
-// (silu_mul_skinny_mm).
+// linear: y = x @ weight.T for one or two rows of x (decode at batch 1-2), CUDA cores, alone,
+// after an RMSNorm (rms_norm_linear, fused_add_rms_norm_linear) or after SiLU-and-mul
+// (silu_mul_linear).
 //
 // At M <= 2 a linear layer is a stream over its weight: every byte is read once and used for M
 // multiply-adds. cuBLAS's tile choices leave bandwidth unused on some shapes (on an H100 at
@@ -13,7 +13,7 @@
 // within 2% on every Llama-3.1-8B and SmolLM2-135M layer shape at M = 1
 // (benchmarks/bench_skinny_mm.py has the comparison with cuBLAS).
 //
-// rms_norm_skinny_mm / fused_add_rms_norm_skinny_mm put the RMSNorm before a linear (and the
+// rms_norm_linear / fused_add_rms_norm_linear put the RMSNorm before a linear (and the
 // residual add before it) into the same kernel. Each block first normalizes its rows into shared
 // memory (x + residual rounded as the eager add rounds it, block 0 storing that sum as
 // residual_out; a block reduction of the squares; the norm's roundings), with its first weight
@@ -21,7 +21,7 @@
 // norm is redone per block (4 columns), not per warp: applying it per warp and chunk made the
 // kernel ALU-bound (8B gate_up 82 -> 139 us on an H100).
 //
-// skinny_mm_rope / rms_norm_skinny_mm_rope / fused_add_rms_norm_skinny_mm_rope are the QKV
+// qkv_rope_cache / rms_norm_qkv_rope_cache / fused_add_rms_norm_qkv_rope_cache are the QKV
 // projection with rope_and_cache in its epilogue (kRope): the output columns q | k | v never reach
 // memory. A block's four warps compute the rotation pairs (j, j + 1, j + D/2, j + D/2 + 1) of one
 // head; after the warp reductions two warps per row rotate the pairs (rope_and_cache's numbers:
@@ -31,13 +31,13 @@
 // the norm kernel (if any), then hopper_mm_rope_out (compilelm/ops/hopper_gemm.py): the Hopper
 // GEMM with the same rotation in its epilogue.
 //
-// silu_mul_skinny_mm takes the MLP's gate_up output [M, 2K] and applies SiLU-and-mul (eager's
+// silu_mul_linear takes the MLP's gate_up output [M, 2K] and applies SiLU-and-mul (eager's
 // roundings, T(T(silu(gate)) * up), the exp in fast math) the same way: once per block, into
 // shared memory, before the weight stream. (Applied per warp as each chunk was read, it cost
 // more than the launch it saved: SmolLM2-135M's decode graph 0.714 -> 0.744 ms on an H100.)
 // The pass limits K: every block recomputes all K activations.
 //
-// skinny_mm_argmax_out is the LM head of a full decode graph with greedy sampling's argmax in the
+// linear_argmax_out is the LM head of a full decode graph with greedy sampling's argmax in the
 // same kernel: the grid is one wave of resident blocks whose warps walk the vocabulary (a warp's
 // next row's first loads go out before it reduces the current one); each warp keeps its best
 // logit as a 64-bit key (the value's bits made orderable, then the inverted column: the larger key
@@ -49,15 +49,15 @@
 //
 // More than kMaxRows rows, or layouts the kernel does not take (unaligned, strided K, mixed
 // dtypes, rows over kMaxSharedBytes), run the norm kernel of fused_ops.cpp for the norm ops, the
-// SiLU-and-mul kernel for silu_mul_skinny_mm (as many kernels as the unfused graph), then the
+// SiLU-and-mul kernel for silu_mul_linear (as many kernels as the unfused graph), then the
 // product (`product`: this file's plain kernel where it takes the rows, else decode_mm): on sm_90,
 // 3-64 rows of a large weight to the Triton kernel of compilelm/ops/hopper_gemm.py
 // (hopper_mm_out), else cuBLAS. The ops are correct for every
 // input, the kernels are the fast path.
 //
-// skinny_mm_silu_mul is the MLP's other side, for intermediate sizes too large to recompute per
+// gate_up_silu_mul is the MLP's other side, for intermediate sizes too large to recompute per
 // block (Llama-3.1-8B's 14336): gate_up_proj with SiLU-and-mul after it. At 3-64 rows on sm_90
-// hopper_mm_out's SiLU-and-mul epilogue does both in one kernel; elsewhere it is skinny_mm and the
+// hopper_mm_out's SiLU-and-mul epilogue does both in one kernel; elsewhere it is linear and the
 // SiLU-and-mul kernel.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
       if (lane == 0) s_sum_sq[warp][m] = sum_sq[m];
     }
     __syncthreads();
-    // pass 2: the norm in place, as compilelm.layers.layernorm.rms_norm rounds it: T(w * T(h * inv_rms))
+    // pass 2: the norm in place, as compilelm.ops.norm.rms_norm rounds it: T(w * T(h * inv_rms))
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       float total = 0.f;
@@ -314,7 +314,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
 }
 
 
-// The LM head's argmax (skinny_mm_argmax_out): each row's running maximum, and the count of the
+// The LM head's argmax (linear_argmax_out): each row's running maximum, and the count of the
 // blocks that merged into it (arrival_counters.h: kLmHeadArgmax). (Spreading the blocks' atomics
 // over 32 addresses measured the same on an H100.)
 struct ArgmaxSink {
@@ -455,7 +455,7 @@ void check_mm(const at::Tensor& x, const at::Tensor& weight, const char* op) {
               x.scalar_type(), " and ", weight.scalar_type());
 }
 
-void skinny_mm_out_check(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out, const char* op) {
+void linear_out_check(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out, const char* op) {
   TORCH_CHECK(out.device() == x.device() && out.scalar_type() == x.scalar_type() && out.dim() == 2 &&
                   out.size(0) == x.size(0) && out.size(1) == weight.size(0) && out.stride(1) == 1,
               op, ": out must be [", x.size(0), ", ", weight.size(0), "] ", x.scalar_type(), " on ", x.device(),
@@ -544,7 +544,7 @@ SkinnyParams mm_params(const at::Tensor& x, const at::Tensor& weight, at::Tensor
   return p;
 }
 
-// skinny_mm's kernel where it takes x (M <= 2), else decode_mm: the product after a fused op's
+// linear's kernel where it takes x (M <= 2), else decode_mm: the product after a fused op's
 // first kernel where its one kernel does not take the call.
 at::Tensor product(const at::Tensor& x, const at::Tensor& weight) {
   if (!fast_path(x, weight)) return decode_mm(x, weight);
@@ -663,14 +663,14 @@ std::tuple<at::Tensor, at::Tensor> mm_rope(const at::Tensor& x, const at::Tensor
 
 }  // namespace
 
-at::Tensor skinny_mm(const at::Tensor& x, const at::Tensor& weight) {
-  check_mm(x, weight, "skinny_mm");
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
+  check_mm(x, weight, "linear");
   return product(x, weight);
 }
 
-void skinny_mm_out(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
-  check_mm(x, weight, "skinny_mm_out");
-  skinny_mm_out_check(x, weight, out, "skinny_mm_out");
+void linear_out(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
+  check_mm(x, weight, "linear_out");
+  linear_out_check(x, weight, out, "linear_out");
   at::Tensor y = out;  // (a handle: the kernels and cuBLAS write out's memory)
   if (!fast_path(x, weight)) {
     decode_mm(x, weight, y);
@@ -680,23 +680,23 @@ void skinny_mm_out(const at::Tensor& x, const at::Tensor& weight, const at::Tens
   dispatch<Prologue::kNone>(mm_params(x, weight, y), x.scalar_type(), x.size(0));
 }
 
-void skinny_mm_argmax_out(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out,
+void linear_argmax_out(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out,
                           const at::Tensor& argmax) {
-  check_mm(x, weight, "skinny_mm_argmax_out");
+  check_mm(x, weight, "linear_argmax_out");
   TORCH_CHECK(argmax.device() == x.device() && argmax.scalar_type() == at::kLong && argmax.dim() == 1 &&
                   argmax.size(0) == x.size(0) && argmax.stride(0) == 1,
-              "skinny_mm_argmax_out: argmax must be int64 [", x.size(0), "] contiguous on ", x.device(), ", got ",
+              "linear_argmax_out: argmax must be int64 [", x.size(0), "] contiguous on ", x.device(), ", got ",
               argmax.sizes(), " ", argmax.scalar_type(), " on ", argmax.device());
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   int* counters = fast_path(x, weight) ? arrival_counters(CounterUser::kLmHeadArgmax, kArgmaxCounterInts, stream)
                                        : nullptr;  // null also while capturing before the first call
   if (counters == nullptr) {  // cuBLAS or the plain kernel, then argmax_rows: two kernels
-    skinny_mm_out(x, weight, out);
+    linear_out(x, weight, out);
     argmax_rows_into(out, argmax);
     return;
   }
-  skinny_mm_out_check(x, weight, out, "skinny_mm_argmax_out");
+  linear_out_check(x, weight, out, "linear_argmax_out");
   at::Tensor y = out, ids = argmax;  // (handles: the kernel writes their memory)
   const SkinnyParams p = mm_params(x, weight, y);
   const ArgmaxSink sink{counters, reinterpret_cast<unsigned long long*>(counters + 2), ids.mutable_data_ptr<int64_t>()};
@@ -707,24 +707,24 @@ void skinny_mm_argmax_out(const at::Tensor& x, const at::Tensor& weight, const a
   }
 }
 
-at::Tensor rms_norm_skinny_mm(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
+at::Tensor rms_norm_linear(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
                               const at::Tensor& weight) {
-  return std::get<0>(norm_mm(x, nullptr, norm_weight, eps, weight, "rms_norm_skinny_mm"));
+  return std::get<0>(norm_mm(x, nullptr, norm_weight, eps, weight, "rms_norm_linear"));
 }
 
-std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_skinny_mm(const at::Tensor& x, const at::Tensor& residual,
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_linear(const at::Tensor& x, const at::Tensor& residual,
                                                                 const at::Tensor& norm_weight, double eps,
                                                                 const at::Tensor& weight) {
-  return norm_mm(x, &residual, norm_weight, eps, weight, "fused_add_rms_norm_skinny_mm");
+  return norm_mm(x, &residual, norm_weight, eps, weight, "fused_add_rms_norm_linear");
 }
 
-at::Tensor silu_mul_skinny_mm(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(x.is_cuda() && weight.device() == x.device(), "silu_mul_skinny_mm: x and weight must be on one CUDA "
+at::Tensor silu_mul_linear(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.is_cuda() && weight.device() == x.device(), "silu_mul_linear: x and weight must be on one CUDA "
               "device, got ", x.device(), " and ", weight.device());
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == 2 * weight.size(1),
-              "silu_mul_skinny_mm: x must be [M, 2K] (gate | up) and weight [N, K], got ", x.sizes(), " and ",
+              "silu_mul_linear: x must be [M, 2K] (gate | up) and weight [N, K], got ", x.sizes(), " and ",
               weight.sizes());
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "silu_mul_skinny_mm: x and weight must have one dtype, got ",
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "silu_mul_linear: x and weight must have one dtype, got ",
               x.scalar_type(), " and ", weight.scalar_type());
   if (!fast_path(x, weight) || x.size(0) * weight.size(1) * x.element_size() > kMaxSharedBytes) {
     return product(silu_and_mul(x), weight);  // two kernels, as unfused
@@ -735,9 +735,9 @@ at::Tensor silu_mul_skinny_mm(const at::Tensor& x, const at::Tensor& weight) {
   return y;
 }
 
-at::Tensor skinny_mm_silu_mul(const at::Tensor& x, const at::Tensor& weight) {
-  check_mm(x, weight, "skinny_mm_silu_mul");
-  TORCH_CHECK(weight.size(0) % 2 == 0, "skinny_mm_silu_mul: weight must be [2I, K] (gate | up), got ", weight.sizes());
+at::Tensor gate_up_silu_mul(const at::Tensor& x, const at::Tensor& weight) {
+  check_mm(x, weight, "gate_up_silu_mul");
+  TORCH_CHECK(weight.size(0) % 2 == 0, "gate_up_silu_mul: weight must be [2I, K] (gate | up), got ", weight.sizes());
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({x.size(0), weight.size(0) / 2}, x.options());
   if (!hopper_mm_takes(x, weight, out)) return silu_and_mul(product(x, weight));  // two kernels, as unfused
@@ -745,27 +745,27 @@ at::Tensor skinny_mm_silu_mul(const at::Tensor& x, const at::Tensor& weight) {
   return out;
 }
 
-at::Tensor skinny_mm_rope(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& positions,
+at::Tensor qkv_rope_cache(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& positions,
                           const at::Tensor& cos_sin_cache, at::Tensor& key_cache, at::Tensor& value_cache,
                           const at::Tensor& slot_mapping, int64_t num_heads) {
   return std::get<0>(mm_rope(x, nullptr, nullptr, 0.0, weight, positions, cos_sin_cache, key_cache, value_cache,
-                             slot_mapping, num_heads, "skinny_mm_rope"));
+                             slot_mapping, num_heads, "qkv_rope_cache"));
 }
 
-at::Tensor rms_norm_skinny_mm_rope(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
+at::Tensor rms_norm_qkv_rope_cache(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
                                    const at::Tensor& weight, const at::Tensor& positions,
                                    const at::Tensor& cos_sin_cache, at::Tensor& key_cache, at::Tensor& value_cache,
                                    const at::Tensor& slot_mapping, int64_t num_heads) {
   return std::get<0>(mm_rope(x, nullptr, &norm_weight, eps, weight, positions, cos_sin_cache, key_cache, value_cache,
-                             slot_mapping, num_heads, "rms_norm_skinny_mm_rope"));
+                             slot_mapping, num_heads, "rms_norm_qkv_rope_cache"));
 }
 
-std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_skinny_mm_rope(
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_qkv_rope_cache(
     const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm_weight, double eps,
     const at::Tensor& weight, const at::Tensor& positions, const at::Tensor& cos_sin_cache, at::Tensor& key_cache,
     at::Tensor& value_cache, const at::Tensor& slot_mapping, int64_t num_heads) {
   return mm_rope(x, &residual, &norm_weight, eps, weight, positions, cos_sin_cache, key_cache, value_cache,
-                 slot_mapping, num_heads, "fused_add_rms_norm_skinny_mm_rope");
+                 slot_mapping, num_heads, "fused_add_rms_norm_qkv_rope_cache");
 }
 
 }  // namespace compilelm::cuda

@@ -7,14 +7,28 @@ import pytest
 import torch
 
 from compilelm.graphs import CompiledModel
+from compilelm.passes import CompilePass
 from tests.compile.toy_model import ToyModel, inputs
+
+
+class ScaleEmbeddingPass(CompilePass):
+    """A pass with a load-time rewrite only: doubles, then halves, the embedding (the same model)."""
+
+    def applies_to(self, graph):  # no graph rewrite: never run, never recorded
+        return False
+
+    def prepare_model(self, model):
+        with torch.no_grad():
+            model.embed.weight.mul_(2).div_(2)
+        return "the embedding scaled by 2 and back"
 
 
 def test_dump_contents_and_report(make_config, tmp_path):
     model = ToyModel(num_layers=3)
-    model.load_rewrites = ["toy: nothing folded"]  # as compilelm/models/fold_norms.py records its fold
     dump = tmp_path / "dump"
-    cm = CompiledModel(model, make_config(dump_dir=str(dump), verify_passes=True), {"toy": "dump"})
+    config = make_config(dump_dir=str(dump), verify_passes=True,
+                         custom_passes=("tests.compile.test_dump:ScaleEmbeddingPass",))
+    cm = CompiledModel(model, config, {"toy": "dump"})
     fn = cm.compile()
     with torch.no_grad():
         ids, pos = inputs(5)
@@ -30,7 +44,8 @@ def test_dump_contents_and_report(make_config, tmp_path):
     report = json.loads((dump / "report.json").read_text())
     # numbers in the report are the counters of this compilation
     assert report["counters"] == cm.counters
-    assert report["load_rewrites"] == ["toy: nothing folded"] and "toy: nothing folded" in (dump / "report.md").read_text()
+    rewrite = "ScaleEmbeddingPass: the embedding scaled by 2 and back"  # the pass's prepare_model, before tracing
+    assert report["load_rewrites"] == [rewrite] and rewrite in (dump / "report.md").read_text()
     assert report["counters"]["pieces"] == 4 == len(report["pieces"])
     assert report["counters"]["unique_pieces"] == 3 == len({p["key"] for p in report["pieces"]})
     assert report["counters"]["inductor_compiles"] == 3 == len([f for f in os.listdir(dump / "inductor") if f.endswith(".py")])

@@ -1,6 +1,6 @@
 """QKVRopeFusionPass: a (normed) QKV projection's q | k | v -> rope_cache becomes one op. The graph
 is traced as Inductor's post-grad graphs look on CUDA (fake CUDA tensors, symbolic M), taken
-through SkinnyMMPass and RMSNormSkinnyMMFusionPass, then rewritten; the result runs on real CPU
+through RouteLinearPass and RMSNormLinearFusionPass, then rewritten; the result runs on real CPU
 tensors (the ops' CPU kernels are the torch compositions) against the eager function, the KV
 cache included. Also the ops themselves (CPU == reference, opcheck, bad shapes)."""
 
@@ -10,10 +10,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.library import opcheck
 
 from compilelm.forward_context import AttentionMetadata, ForwardContext, set_forward_context
-from compilelm.layers.layernorm import rms_norm
-from compilelm.passes.fuse_norm_skinny_mm import RMSNormSkinnyMMFusionPass
-from compilelm.passes.fuse_qkv_rope import QKVRopeFusionPass
-from tests.compile.test_skinny_mm import EPS, skinny_mm_then, targets
+from compilelm.ops.norm import rms_norm
+from compilelm.passes.fusion.fuse_norm_linear import RMSNormLinearFusionPass
+from compilelm.passes.fusion.fuse_qkv_rope import QKVRopeFusionPass
+from tests.compile.test_route_linear import EPS, linear_then, targets
 
 ops = torch.ops.compilelm
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, BLOCK, M = 4, 2, 16, 32, 4, 3
@@ -33,7 +33,7 @@ def first_layer(x, norm_w, w_qkv, positions, cos_sin_cache):
 
 
 def plain(x, w_qkv, positions, cos_sin_cache):
-    """A model too wide for the norm to fuse: the norm stays, the projection is a plain skinny_mm."""
+    """A model too wide for the norm to fuse: the norm stays, the projection is a plain linear."""
     q, k, v = torch.mm(x, w_qkv.t()).split(WIDTHS, dim=-1)
     return ops.rope_cache(q, k, v, positions, cos_sin_cache, HEAD_DIM)
 
@@ -70,12 +70,12 @@ def test_projection_takes_rope_and_cache_write_in(fn, dtype):
     args = inputs(fn, dtype)
     shapes = [tuple(a.shape) for a in args]
     fusion = QKVRopeFusionPass()
-    gm, _, _ = skinny_mm_then(lambda g: (RMSNormSkinnyMMFusionPass()(g), fusion(g)), fn, shapes[:-2], dtype,
+    gm, _, _ = linear_then(lambda g: (RMSNormLinearFusionPass()(g), fusion(g)), fn, shapes[:-2], dtype,
                               extra=args[-2:])
     t = targets(gm)
     assert fusion.matches == 1 and t.count(FUSED[fn]) == 1, gm.code
     assert ops.rope_cache.default not in t and torch.ops.aten.split_with_sizes.default not in t
-    assert not {ops.skinny_mm.default, ops.rms_norm_skinny_mm.default, ops.fused_add_rms_norm_skinny_mm.default} & set(t)
+    assert not {ops.linear.default, ops.rms_norm_linear.default, ops.fused_add_rms_norm_linear.default} & set(t)
     # on CPU: the fused op (its CPU kernel: the composition) == the function, outputs and KV cache
     got_ctx, want_ctx = context(dtype), context(dtype)
     with set_forward_context(got_ctx):
@@ -91,7 +91,7 @@ def test_projection_takes_rope_and_cache_write_in(fn, dtype):
 def test_projection_with_other_users_is_kept():
     args = inputs(leaky, torch.float32)
     fusion = QKVRopeFusionPass()
-    gm, _, _ = skinny_mm_then(lambda g: (RMSNormSkinnyMMFusionPass()(g), fusion(g)), leaky,
+    gm, _, _ = linear_then(lambda g: (RMSNormLinearFusionPass()(g), fusion(g)), leaky,
                               [tuple(a.shape) for a in args[:-2]], torch.float32, extra=args[-2:])
     assert fusion.matches == 0 and ops.rope_cache.default in targets(gm)
 
@@ -101,18 +101,18 @@ def test_ops_cpu_match_reference_and_opcheck():
     x, r, norm_w, w, positions, cos_sin = inputs(qkv_rope, dtype)
     caches = [torch.zeros(3, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype) for _ in range(4)]
     slots = torch.tensor([5, 6, -1])
-    q, r_out = ops.fused_add_rms_norm_skinny_mm_rope(x, r, norm_w, EPS, w, positions, cos_sin, *caches[:2], slots,
+    q, r_out = ops.fused_add_rms_norm_qkv_rope_cache(x, r, norm_w, EPS, w, positions, cos_sin, *caches[:2], slots,
                                                      HEADS)
     qkv = rms_norm(x + r, norm_w, EPS) @ w.t()
     parts = [t.view(M, -1, HEAD_DIM) for t in qkv.split(WIDTHS, dim=-1)]
     want = ops.rope_and_cache(positions, *parts, cos_sin, None, None, 0.0, *caches[2:], slots)
     assert q.shape == (M, HEADS, HEAD_DIM) and torch.equal(q, want) and torch.equal(r_out, x + r)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-    q1 = ops.rms_norm_skinny_mm_rope(x, norm_w, EPS, w, positions, cos_sin, *caches[:2], slots, HEADS)
+    q1 = ops.rms_norm_qkv_rope_cache(x, norm_w, EPS, w, positions, cos_sin, *caches[:2], slots, HEADS)
     assert q1.shape == (M, HEADS, HEAD_DIM)
-    # without the norm: skinny_mm_rope, and the Hopper kernel's op (its CPU kernel: the same composition)
+    # without the norm: qkv_rope_cache, and the Hopper kernel's op (its CPU kernel: the same composition)
     plain_caches = [torch.zeros_like(c) for c in caches]
-    q2 = ops.skinny_mm_rope(x, w, positions, cos_sin, *plain_caches[:2], slots, HEADS)
+    q2 = ops.qkv_rope_cache(x, w, positions, cos_sin, *plain_caches[:2], slots, HEADS)
     parts = [t.view(M, -1, HEAD_DIM) for t in (x @ w.t()).split(WIDTHS, dim=-1)]
     assert torch.equal(q2, ops.rope_and_cache(positions, *parts, cos_sin, None, None, 0.0, *plain_caches[2:], slots))
     assert torch.equal(plain_caches[0], plain_caches[2]) and torch.equal(plain_caches[1], plain_caches[3])
@@ -120,14 +120,14 @@ def test_ops_cpu_match_reference_and_opcheck():
     q_out = torch.empty(M, HEADS, HEAD_DIM, dtype=dtype)
     ops.hopper_mm_rope_out(x, w, positions, cos_sin, *plain_caches[:2], slots, q_out, True)
     assert torch.equal(q_out, q2)
-    opcheck(ops.skinny_mm_rope.default, (x, w, positions, cos_sin, *caches[:2], slots, HEADS))
+    opcheck(ops.qkv_rope_cache.default, (x, w, positions, cos_sin, *caches[:2], slots, HEADS))
     opcheck(ops.hopper_mm_rope_out.default, (x, w, positions, cos_sin, *caches[:2], slots, q_out, True))
-    opcheck(ops.rms_norm_skinny_mm_rope.default, (x, norm_w, EPS, w, positions, cos_sin, *caches[:2], slots, HEADS))
-    opcheck(ops.fused_add_rms_norm_skinny_mm_rope.default,
+    opcheck(ops.rms_norm_qkv_rope_cache.default, (x, norm_w, EPS, w, positions, cos_sin, *caches[:2], slots, HEADS))
+    opcheck(ops.fused_add_rms_norm_qkv_rope_cache.default,
             (x, r, norm_w, EPS, w, positions, cos_sin, *caches[:2], slots, HEADS))
     with pytest.raises(RuntimeError, match="num_heads"):
         with FakeTensorMode():
-            ops.rms_norm_skinny_mm_rope(torch.empty(2, HIDDEN), torch.empty(HIDDEN), EPS, torch.empty(64, HIDDEN),
+            ops.rms_norm_qkv_rope_cache(torch.empty(2, HIDDEN), torch.empty(HIDDEN), EPS, torch.empty(64, HIDDEN),
                                         torch.empty(2, dtype=torch.long), torch.empty(16, HEAD_DIM),
                                         torch.empty(3, BLOCK, KV_HEADS, HEAD_DIM),
                                         torch.empty(3, BLOCK, KV_HEADS, HEAD_DIM), torch.empty(2, dtype=torch.long), 5)

@@ -12,12 +12,14 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from compilelm.layers.activation import SiluAndMul
 from compilelm.layers.layernorm import RMSNorm
+from compilelm.ops.activation import silu_and_mul
+from compilelm.ops.norm import rms_norm
 from compilelm.layers.linear import Linear, MergedColumnParallelLinear
 from compilelm.layers.quantization import calibrate, quantize_model
 from compilelm.ops import quant as q_ops
 from compilelm.passes import NoOpEliminationPass, max_error, snapshot
-from compilelm.passes.fuse_act_quant import SiluMulQuantFusionPass
-from compilelm.passes.fuse_rms_quant import RMSNormQuantFusionPass
+from compilelm.passes.fusion.fuse_act_quant import SiluMulQuantFusionPass
+from compilelm.passes.fusion.fuse_norm_quant import RMSNormQuantFusionPass
 
 ops = torch.ops.compilelm
 
@@ -102,8 +104,8 @@ def test_residual_with_other_users_still_fuses_and_plain_norm_without_quant_does
 
     def f(x, res):
         res = x + res
-        q, s = ops.quant_fp8_per_token(q_ops.rms_norm_ref(res, w, 1e-5))
-        plain = q_ops.rms_norm_ref(x, w, 1e-5)  # no quant after it: stays
+        q, s = ops.quant_fp8_per_token(rms_norm(res, w, 1e-5))
+        plain = rms_norm(x, w, 1e-5)  # no quant after it: stays
         return q, s, res * 2, plain
 
     gm = make_fx(f, tracing_mode="symbolic", decomposition_table=select_decomp_table(),
@@ -134,11 +136,11 @@ def test_quant_ops_match_references_and_dequantize_close():
     assert qs.float().abs().max() == 448.0  # saturates instead of overflowing to NaN
     w, res = torch.randn(64), torch.randn(9, 64)
     fq, fs, fres = ops.fused_add_rms_norm_quant_fp8(x, res, w, 1e-6, None)
-    rq, rs = q_ops.quant_fp8_per_token_ref(q_ops.rms_norm_ref(x + res, w, 1e-6))
+    rq, rs = q_ops.quant_fp8_per_token_ref(rms_norm(x + res, w, 1e-6))
     assert torch.equal(fq.float(), rq.float()) and torch.equal(fs, rs) and torch.equal(fres, x + res)
     g = torch.randn(9, 128)
     sq, _ = ops.silu_mul_quant_fp8(g, scale)
-    assert torch.equal(sq.float(), q_ops.quant_fp8_static_ref(q_ops.silu_mul_ref(g), scale).float())
+    assert torch.equal(sq.float(), q_ops.quant_fp8_static_ref(silu_and_mul(g), scale).float())
 
 
 def test_switches_on_at_O2_off_at_O1_and_skipped_without_fp8():
@@ -151,7 +153,7 @@ def test_switches_on_at_O2_off_at_O1_and_skipped_without_fp8():
     assert names.index("RMSNormQuantFusionPass") < names.index("SiluMulQuantFusionPass")
     assert "RMSNormQuantFusionPass" not in [p.name for p in PassManager(o1).post_grad]
     # an unquantized graph: the pass does not run (no record, no dump, no time)
-    gm = make_fx(lambda x, w: q_ops.rms_norm_ref(x, w, 1e-5), tracing_mode="symbolic")(torch.randn(4, 8), torch.randn(8))
+    gm = make_fx(lambda x, w: rms_norm(x, w, 1e-5), tracing_mode="symbolic")(torch.randn(4, 8), torch.randn(8))
     p = RMSNormQuantFusionPass()
     p(gm.graph)
     assert p.matches == 0 and p.seconds == 0.0

@@ -13,8 +13,8 @@ from compilelm.layers.attention import Attention
 from compilelm.layers.layernorm import RMSNorm
 from compilelm.layers.rotary_embedding import RotaryEmbedding
 from compilelm.passes import PassConfig, PassManager
-from compilelm.passes.fuse_rope_attention import RopeAttentionFusionPass
-from compilelm.passes.testing import check_pass
+from compilelm.passes.fusion.fuse_rope_attention import RopeAttentionFusionPass
+from compilelm.passes.debug.testing import check_pass
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 32, 16
 ROPE_OPS = ("aten.index.Tensor", "aten.cat.default", "aten.sub.Tensor", "aten.rsqrt.default")

@@ -140,7 +140,7 @@ def test_trace_pattern_reuses_a_trace_per_fake_mode_and_shapes(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_apply_rope_rounds_like_hugging_face(dtype):
     """The two-halves form gives bit-identical results to HF's x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)."""
-    from compilelm.layers.rotary_embedding import apply_rope
+    from compilelm.ops.rope import apply_rope
 
     def hf(x, cos, sin, head_dim):
         n = x.shape[0]

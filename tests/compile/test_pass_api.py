@@ -1,5 +1,5 @@
 """The pass API: custom pass specs (stage, position), coexistence with the built-in passes, the
-`--pass` flag, `compilelm passes list`, and the `compilelm.passes.testing` harness itself."""
+`--pass` flag, `compilelm passes list`, and the `compilelm.passes.debug.testing` harness itself."""
 
 import argparse
 
@@ -11,7 +11,7 @@ from compilelm.entrypoints.engine_args import add_engine_args, engine_config_fro
 from compilelm.graphs import CompileConfig
 from compilelm.passes import FusionPass, PassConfig, PassManager
 from compilelm.passes.manager import parse_pass_spec
-from compilelm.passes.testing import check_pass, run_passes
+from compilelm.passes.debug.testing import check_pass, run_passes
 
 EXAMPLE = "examples.my_fusion_pass:MeanSquareFusionPass"
 

@@ -176,14 +176,14 @@ def test_manager_order_switches_and_uuid():
     assert [p.name for p in on.whole_graph] == ["NoOpEliminationPass", "AllReduceRMSNormFusionPass",
                                                 "RopeAttentionFusionPass"]
     assert [p.name for p in on.post_grad + on.tail] == ["NoOpEliminationPass", "UnfuseResidualAddmmPass",
-                                                        "SkinnyMMPass", "RMSNormSkinnyMMFusionPass", "SiluMulSkinnyMMFusionPass",
+                                                        "RouteLinearPass", "RMSNormLinearFusionPass", "SiluMulLinearFusionPass",
                                                         "QKVRopeFusionPass", "NormGemmFusionPass", "RMSNormQuantFusionPass",
                                                         "SiluMulQuantFusionPass",
                                                         "CleanupPass", "InplaceLoweringPass", "CleanupPass"]
     off = PassManager(PassConfig(eliminate_noops=False, lower_inplace=False, fuse_rope_attention=False,
                                  fuse_norm_quant=False, fuse_act_quant=False, fuse_allreduce_rms=False,
-                                 unfuse_residual_addmm=False, skinny_mm=False, fuse_norm_skinny_mm=False,
-                                 fuse_act_skinny_mm=False, fuse_qkv_rope=False, fuse_norm_gemm=False))
+                                 unfuse_residual_addmm=False, route_linear=False, fuse_norm_linear=False,
+                                 fuse_act_linear=False, fuse_qkv_rope=False, fuse_norm_gemm=False))
     assert [p.name for p in off.passes] == ["CleanupPass"]
     assert on.uuid() != off.uuid()
     custom = PassManager(PassConfig(), custom_passes=("tests.compile.test_passes:MulAddFusionPass",))

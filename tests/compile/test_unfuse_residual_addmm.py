@@ -6,7 +6,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from compilelm.passes.unfuse_residual_addmm import UnfuseResidualAddmmPass
+from compilelm.passes.utility.unfuse_residual_addmm import UnfuseResidualAddmmPass
 
 aten = torch.ops.aten
 

@@ -58,7 +58,7 @@ def _spawn(fn, *args):
 
 
 def _rank_main(fn, rank, port, failures, args):
-    import compilelm.distributed.communication_op  # noqa: F401  (registers the ops' CUDA impls)
+    import compilelm.ops.collectives  # noqa: F401  (registers the ops' CUDA impls)
     import compilelm.ops  # noqa: F401  (loads the kernels)
     from compilelm.distributed.parallel_state import destroy_distributed, init_distributed
     try:
@@ -84,7 +84,7 @@ def _inputs(rank, num_tokens, hidden, dtype, device, seed=0):
 def _nccl_reference(x, residual, weight):
     import torch.distributed as dist
 
-    from compilelm.distributed.communication_op import fused_add_rms_norm_ref
+    from compilelm.ops.collectives import fused_add_rms_norm_ref
     total = x.clone()
     dist.all_reduce(total)
     return total, *fused_add_rms_norm_ref(total, residual, weight, EPS)

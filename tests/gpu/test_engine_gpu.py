@@ -24,7 +24,7 @@ SHAPES = {
                                                        "original_max_position_embeddings": 128})),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(rope_theta=1000000.0)),
     # wider than the norm + QKV fusion takes (MAX_HIDDEN 2048): the QKV projection is a plain
-    # skinny_mm and takes RoPE in as `qkv_rope` (Llama-3.1-8B's path)
+    # linear and takes RoPE in as `qkv_rope` (Llama-3.1-8B's path)
     "llama3_wide": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=500000.0, hidden_size=2304)),
 }
 MAX_TOKENS = 16

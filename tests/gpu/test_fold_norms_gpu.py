@@ -1,5 +1,5 @@
 """A Hugging Face checkpoint at Llama-3.1-8B's widths (2 layers) through the folded norms and
-`passes.fuse_norm_gemm` (compilelm/models/fold_norms.py, compilelm/ops/norm_gemm.py), bf16, against
+`passes.fuse_norm_gemm` (its prepare_model fold, compilelm/ops/norm_gemm.py), bf16, against
 transformers in fp32 on the same weights: teacher-forced log-probabilities of the prompts (prefill
 chunks of <= 64 rows: the two-kernel path) and of the greedy tokens (decode at 8 rows in a CUDA
 graph).

@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from compilelm import LLM, SamplingParams
-from compilelm.layers.layernorm import rms_norm
+from compilelm.ops.activation import silu_and_mul
+from compilelm.ops.norm import rms_norm
 from compilelm.ops import fused_add_rms_norm_ref, rope_and_cache_ref
 from compilelm.ops import quant as q_ops
 from tests.test_fused_ops import quant_cases, rope_inputs
@@ -102,7 +103,7 @@ def test_rms_norm_quant(dtype, shape, static):
     x, w = rows(*shape, dtype, seed=2, strided=True), norm_weight(shape[1], dtype)
     scale = STATIC_SCALE.cuda() if static else None
     q, s = q_ops.rms_norm_quant_fp8(x, w, 1e-6, scale)
-    check_quantized(q, s, q_ops.rms_norm_ref(x, w, 1e-6), scale)
+    check_quantized(q, s, rms_norm(x, w, 1e-6), scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -113,7 +114,7 @@ def test_fused_add_rms_norm_quant(dtype, shape, static):
     scale = STATIC_SCALE.cuda() if static else None
     q, s, residual = q_ops.fused_add_rms_norm_quant_fp8(x, res, w, 1e-6, scale)
     assert torch.equal(residual, x + res)
-    check_quantized(q, s, q_ops.rms_norm_ref(x + res, w, 1e-6), scale)
+    check_quantized(q, s, rms_norm(x + res, w, 1e-6), scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -124,7 +125,7 @@ def test_silu_mul_quant(dtype, shape, static):
     scale = STATIC_SCALE.cuda() if static else None
     q, s = q_ops.silu_mul_quant_fp8(x, scale)
     assert q.shape == (shape[0], shape[1])
-    check_quantized(q, s, q_ops.silu_mul_ref(x), scale)
+    check_quantized(q, s, silu_and_mul(x), scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -321,16 +322,16 @@ def _bench_cases(num_tokens, hidden=4096, dtype=torch.bfloat16):
         "quant_fp8_per_token": (lambda: OPS.quant_fp8_per_token(x), lambda: q_ops.quant_fp8_per_token_ref(x)),
         "quant_fp8_static": (lambda: OPS.quant_fp8_static(x, s), lambda: q_ops.quant_fp8_static_ref(x, s)),
         "rms_norm_quant_fp8 (per token)": (lambda: OPS.rms_norm_quant_fp8(x, w, 1e-6, None),
-                                           lambda: q_ops.quant_fp8_per_token_ref(q_ops.rms_norm_ref(x, w, 1e-6))),
+                                           lambda: q_ops.quant_fp8_per_token_ref(rms_norm(x, w, 1e-6))),
         "rms_norm_quant_fp8 (static)": (lambda: OPS.rms_norm_quant_fp8(x, w, 1e-6, s),
-                                        lambda: q_ops.quant_fp8_static_ref(q_ops.rms_norm_ref(x, w, 1e-6), s)),
+                                        lambda: q_ops.quant_fp8_static_ref(rms_norm(x, w, 1e-6), s)),
         "fused_add_rms_norm_quant_fp8 (per token)": (
             lambda: OPS.fused_add_rms_norm_quant_fp8(x, res, w, 1e-6, None),
-            lambda: q_ops.quant_fp8_per_token_ref(q_ops.rms_norm_ref(x + res, w, 1e-6))),
+            lambda: q_ops.quant_fp8_per_token_ref(rms_norm(x + res, w, 1e-6))),
         "fused_add_rms_norm": (lambda: OPS.fused_add_rms_norm(x, res, w, 1e-6),
                                lambda: fused_add_rms_norm_ref(x, res, w, 1e-6)),
         "silu_mul_quant_fp8 (per token)": (lambda: OPS.silu_mul_quant_fp8(gate_up, None),
-                                           lambda: q_ops.quant_fp8_per_token_ref(q_ops.silu_mul_ref(gate_up))),
+                                           lambda: q_ops.quant_fp8_per_token_ref(silu_and_mul(gate_up))),
         "rope_and_cache (32/8 heads x 128)": (lambda: OPS.rope_and_cache(*rope_args),
                                               lambda: rope_and_cache_ref(*rope_args)),
         "rope_and_cache + qk-norm": (lambda: OPS.rope_and_cache(*qk_args), lambda: rope_and_cache_ref(*qk_args)),

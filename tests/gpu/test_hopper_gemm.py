@@ -1,18 +1,18 @@
 """compilelm::hopper_mm_out (compilelm/ops/hopper_gemm.py: Triton, sm_90) against fp64 matmuls on
 the model shapes it serves (Llama-3.1-8B's layers, SmolLM2-135M's LM head; N not a multiple of the
 tile, K not a multiple of 128), at 3-64 rows, in a row slice of a wider buffer and inside a CUDA
-graph; opcheck; and the routing: skinny_mm and its norm / SiLU-and-mul variants send 3-64 rows of a
+graph; opcheck; and the routing: linear and its norm / SiLU-and-mul variants send 3-64 rows of a
 large weight to it (the profiler sees its kernel) and give cuBLAS's numbers to rounding, and
-set_hopper_gemm(False) sends them to cuBLAS. The SiLU-and-mul epilogue (skinny_mm_silu_mul)
+set_hopper_gemm(False) sends them to cuBLAS. The SiLU-and-mul epilogue (gate_up_silu_mul)
 against the kernel's own product and eager SiLU-and-mul, in one kernel, and its routing."""
 
 import pytest
 import torch
 from torch.library import opcheck
 
-from compilelm.ops import fused_add_rms_norm_skinny_mm, rms_norm_skinny_mm, skinny_mm, skinny_mm_out
+from compilelm.ops import fused_add_rms_norm_linear, rms_norm_linear, linear, linear_out
 from compilelm.ops.hopper_gemm import triton
-from compilelm.ops.linear import silu_mul_skinny_mm, skinny_mm_silu_mul
+from compilelm.ops.gemm import silu_mul_linear, gate_up_silu_mul
 
 pytestmark = [
     pytest.mark.gpu,
@@ -96,9 +96,9 @@ def test_opcheck():
     opcheck(torch.ops.compilelm.hopper_mm_out.default, (x, w, out, True))
 
 
-def test_skinny_mm_ops_route_large_weights_here():
+def test_linear_ops_route_large_weights_here():
     """3-64 rows of an 8M-element weight: the Triton kernel (and cuBLAS's numbers to rounding);
-    2 rows: skinny_mm's own kernel; a small weight or set_hopper_gemm(False): cuBLAS."""
+    2 rows: linear's own kernel; a small weight or set_hopper_gemm(False): cuBLAS."""
     dtype = torch.bfloat16
     x, w = operands(24, 4096, 4096, dtype)
     norm_w = (torch.rand(4096, device="cuda") + 0.5).to(dtype)
@@ -106,11 +106,11 @@ def test_skinny_mm_ops_route_large_weights_here():
     gate_up = torch.randn(24, 2 * 4096, device="cuda", dtype=dtype)
     out = torch.empty(24, 4096, device="cuda", dtype=dtype)
     calls = {
-        "skinny_mm": lambda: skinny_mm(x, w),
-        "skinny_mm_out": lambda: skinny_mm_out(x, w, out).clone(),
-        "rms_norm_skinny_mm": lambda: rms_norm_skinny_mm(x, norm_w, 1e-6, w),
-        "fused_add_rms_norm_skinny_mm": lambda: fused_add_rms_norm_skinny_mm(x, residual, norm_w, 1e-6, w)[0],
-        "silu_mul_skinny_mm": lambda: silu_mul_skinny_mm(gate_up, w),
+        "linear": lambda: linear(x, w),
+        "linear_out": lambda: linear_out(x, w, out).clone(),
+        "rms_norm_linear": lambda: rms_norm_linear(x, norm_w, 1e-6, w),
+        "fused_add_rms_norm_linear": lambda: fused_add_rms_norm_linear(x, residual, norm_w, 1e-6, w)[0],
+        "silu_mul_linear": lambda: silu_mul_linear(gate_up, w),
     }
     for name, call in calls.items():
         assert KERNEL in " ".join(kernels_run(call)), name
@@ -124,10 +124,10 @@ def test_skinny_mm_ops_route_large_weights_here():
         scale = theirs.double().abs().max().item()
         err = (ours.double() - theirs.double()).abs().max().item() / scale
         assert err <= TOL[dtype], f"{name}: {err:.2e} from cuBLAS"
-    assert KERNEL not in " ".join(kernels_run(lambda: skinny_mm(x[:2], w)))  # skinny_mm's kernel
+    assert KERNEL not in " ".join(kernels_run(lambda: linear(x[:2], w)))  # linear's kernel
     small = w[:1024, :1024].contiguous()  # 1M elements: cuBLAS
-    assert KERNEL not in " ".join(kernels_run(lambda: skinny_mm(x[:, :1024].contiguous(), small)))
-    assert KERNEL not in " ".join(kernels_run(lambda: skinny_mm(torch.cat([x] * 3), w)))  # 72 rows: cuBLAS
+    assert KERNEL not in " ".join(kernels_run(lambda: linear(x[:, :1024].contiguous(), small)))
+    assert KERNEL not in " ".join(kernels_run(lambda: linear(torch.cat([x] * 3), w)))  # 72 rows: cuBLAS
 
 
 def silu_mul_unfused(x, w):
@@ -165,32 +165,32 @@ def test_silu_mul_epilogue_matches_unfused(dtype, m, i, k):
     assert err <= TOL[dtype], f"relative error {err:.2e}"
 
 
-def test_skinny_mm_silu_mul_routes_and_graph_replays():
+def test_gate_up_silu_mul_routes_and_graph_replays():
     """3-64 rows: one kernel, the Triton one; 2 rows and set_hopper_gemm(False): the product and
     the SiLU-and-mul kernel; inside a CUDA graph with new inputs."""
     dtype = torch.bfloat16
     x, w = operands(24, 2 * 14336, 4096, dtype)
-    names = kernels_run(lambda: skinny_mm_silu_mul(x, w))
+    names = kernels_run(lambda: gate_up_silu_mul(x, w))
     assert len(names) == 1 and KERNEL in names[0], names
-    ours = skinny_mm_silu_mul(x, w)
+    ours = gate_up_silu_mul(x, w)
     previous = torch.ops.compilelm.set_hopper_gemm(False)
     try:
-        names = kernels_run(lambda: skinny_mm_silu_mul(x, w))
-        theirs = skinny_mm_silu_mul(x, w)
+        names = kernels_run(lambda: gate_up_silu_mul(x, w))
+        theirs = gate_up_silu_mul(x, w)
     finally:
         torch.ops.compilelm.set_hopper_gemm(previous)
     assert len(names) >= 2 and not any(KERNEL in n for n in names), names  # cuBLAS, then SiLU-and-mul
     torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)
-    two = skinny_mm_silu_mul(x[:2], w)
+    two = gate_up_silu_mul(x[:2], w)
     torch.testing.assert_close(two, _silu_and_mul(x[:2] @ w.t()), rtol=2e-2, atol=2e-2)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = skinny_mm_silu_mul(x, w)
+        y = gate_up_silu_mul(x, w)
     for seed in (1, 2):
         x.copy_(operands(24, 2 * 14336, 4096, dtype, seed)[0])
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(y, skinny_mm_silu_mul(x, w))
+        assert torch.equal(y, gate_up_silu_mul(x, w))
     with pytest.raises(RuntimeError, match="gate | up"):
-        skinny_mm_silu_mul(x, w[:-1])
-    opcheck(torch.ops.compilelm.skinny_mm_silu_mul.default, (x, w))
+        gate_up_silu_mul(x, w[:-1])
+    opcheck(torch.ops.compilelm.gate_up_silu_mul.default, (x, w))

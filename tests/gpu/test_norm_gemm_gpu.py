@@ -54,14 +54,14 @@ def replayed(fn):
 def test_mlp_side(m):
     x, w, residual, w2 = operands(m, 2 * INTER, m)
     assert norm_gemm.takes(x, w, w2) == (m >= 3)
-    act, h = ops.mm_add_rms_norm_mm_silu_mul(x, w, residual, EPS, w2)
+    act, h = ops.linear_add_rms_norm_gate_up_silu_mul(x, w, residual, EPS, w2)
     prod, want_h = reference(x, w, residual, w2)
     gate, up = prod.to(x.dtype).float().split(INTER, -1)
     want = ((gate / (1 + torch.exp(-gate))).to(x.dtype).float() * up).to(x.dtype)
     assert act.shape == (m, INTER) and h.shape == (m, HID)
     assert rel_err(h, want_h) < 1e-2 and (h == want_h).float().mean() > 0.99
     assert rel_err(act, want) < 2e-2
-    got_act, got_h = replayed(lambda: ops.mm_add_rms_norm_mm_silu_mul(x, w, residual, EPS, w2))
+    got_act, got_h = replayed(lambda: ops.linear_add_rms_norm_gate_up_silu_mul(x, w, residual, EPS, w2))
     assert torch.equal(got_act, act) and torch.equal(got_h, h)
 
 
@@ -77,9 +77,9 @@ def test_qkv_side(m):
     inv = 1.0 / (500000 ** (torch.arange(0, D, 2, device="cuda").float() / D))
     ang = torch.arange(1024, device="cuda").float()[:, None] * inv[None]
     cos_sin = torch.cat([ang.cos(), ang.sin()], -1)
-    q, h = ops.mm_add_rms_norm_mm_rope(x, w, residual, EPS, w2, positions, cos_sin, *caches[:2], slots, HEADS)
+    q, h = ops.linear_add_rms_norm_qkv_rope_cache(x, w, residual, EPS, w2, positions, cos_sin, *caches[:2], slots, HEADS)
     prod, want_h = reference(x, w, residual, w2)
-    # the reference's projection (rounded) through rope_and_cache, as skinny_mm_rope's reference
+    # the reference's projection (rounded) through rope_and_cache, as qkv_rope_cache's reference
     parts = [t.reshape(m, -1, D).contiguous() for t in prod.to(x.dtype).split([HEADS * D, KV_HEADS * D, KV_HEADS * D], -1)]
     want_q = ops.rope_and_cache(positions, *parts, cos_sin, None, None, 0.0, *caches[2:], slots)
     assert q.shape == (m, HEADS, D) and rel_err(q, want_q) < 2e-2 and rel_err(h, want_h) < 1e-2

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from compilelm import LLM, SamplingParams
-from compilelm.runtime.cuda_graphs import HostBatch
+from compilelm.graphs.step_inputs import HostBatch
 from compilelm.runtime.model_runner import StepInputs
-from compilelm.runtime.piecewise_graphs import PiecewiseGraphs
+from compilelm.graphs.cudagraph.piecewise import PiecewiseGraphs
 from tests.gpu.test_engine_gpu import build_hf_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
@@ -70,7 +70,7 @@ def cache_dir(tmp_path_factory):
 @pytest.fixture
 def debug_addresses():
     """DEBUG logging at capture turns on the input-address check of every replay."""
-    log = logging.getLogger("compilelm.runtime.piecewise_graphs")
+    log = logging.getLogger("compilelm.graphs.cudagraph.piecewise")
     old = log.level
     log.setLevel(logging.DEBUG)
     yield

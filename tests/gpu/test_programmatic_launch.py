@@ -1,6 +1,6 @@
 """Programmatic dependent launch (csrc/cuda/launch.cuh): a chain of compilelm kernels, each
-reading what the one before wrote (the decode layer's shape: add + norm + skinny_mm, skinny_mm,
-add + norm, norm + skinny_mm, and the row norm at M > 2), captured in one CUDA graph with PDL on
+reading what the one before wrote (the decode layer's shape: add + norm + linear, linear,
+add + norm, norm + linear, and the row norm at M > 2), captured in one CUDA graph with PDL on
 and replayed with new inputs, equals the same chain launched eagerly without PDL, bit for bit.
 A kernel that read its input before `wait_for_prior_kernels()` would read the previous kernel's
 output half-written (the kernels are a few microseconds, so the launches overlap)."""
@@ -19,11 +19,11 @@ def layer_chain(x, residual, weights, norm_weights, layers):
     for i in range(layers):
         w_qkv, w_o = weights[i % 2]
         nw1, nw2 = norm_weights[i % 2]
-        h, residual = ops.fused_add_rms_norm_skinny_mm(x, residual, nw1, EPS, w_qkv)
-        x = ops.skinny_mm(h, w_o)
+        h, residual = ops.fused_add_rms_norm_linear(x, residual, nw1, EPS, w_qkv)
+        x = ops.linear(h, w_o)
         normed, residual = ops.fused_add_rms_norm(x, residual, nw2, EPS)
-        x = ops.rms_norm_skinny_mm(normed, nw2, EPS, w_qkv)
-        x = ops.skinny_mm(x, w_o)
+        x = ops.rms_norm_linear(normed, nw2, EPS, w_qkv)
+        x = ops.linear(x, w_o)
     return x, residual
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from compilelm.passes.unfuse_residual_addmm import UnfuseResidualAddmmPass
+from compilelm.passes.utility.unfuse_residual_addmm import UnfuseResidualAddmmPass
 
 pytestmark = pytest.mark.gpu
 

@@ -30,7 +30,7 @@ q, k, v, q_norm_weight, k_norm_weight, eps, positions, cos_sin_cache, head_dim, 
 How: the attention op's `layer_name` is a string, which Inductor's pattern matcher cannot leave
 open, so the rewrite is two steps. (1) Patterns (`pattern_qknorm_rope`, then `pattern_rope`)
 replace the rotary embedding of one tensor by a functional op `compilelm::rope(x, cos, sin)` /
-`compilelm::qknorm_rope(x, weight, cos, sin, eps)`. (2) An attention op whose q and k are such
+`compilelm::qknorm_rope(x, weight, cos, sin, eps)` (compilelm/ops/rope.py). (2) An attention op whose q and k are such
 ops (used by nothing else), rotated by the same `cos, sin = cos_sin_cache[positions].chunk(2)`,
 becomes the fused op. A rope op that cannot be fused stays in the graph: it computes the same
 as the ops it replaced.
@@ -43,36 +43,13 @@ import operator
 import torch
 from torch._inductor import pattern_matcher as pm
 
-import compilelm.layers.attention  # noqa: F401  (the attention ops this pass targets)
-from compilelm.layers.layernorm import rms_norm
-from compilelm.layers.rotary_embedding import apply_rope
+from compilelm.ops.norm import rms_norm
+from compilelm.ops.rope import apply_rope
 from compilelm.passes.base import FusionPass
-from compilelm.passes.verify import STAND_INS, stand_in
+from compilelm.passes.debug.verify import STAND_INS, stand_in
 
 ops = torch.ops.compilelm
 aten = torch.ops.aten
-
-
-# -- the intermediate ops of step 1: RoPE (after QK-norm) of one tensor ----------------------
-
-@torch.library.custom_op("compilelm::rope", mutates_args=())
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return pattern_rope(x, cos, sin)
-
-
-@rope.register_fake
-def _(x, cos, sin):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("compilelm::qknorm_rope", mutates_args=())
-def qknorm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
-    return pattern_qknorm_rope(x, weight, cos, sin, eps)
-
-
-@qknorm_rope.register_fake
-def _(x, weight, cos, sin, eps):
-    return torch.empty_like(x)
 
 
 # --verify stands attention in by a deterministic function; the fused ops stand in as their

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from compilelm.graphs.split import Piece
+from compilelm.passes.base import describe
 
 
 def piece_key(piece: Piece) -> str:
@@ -36,16 +37,6 @@ def piece_key(piece: Piece) -> str:
         items.append([node.op, target, repr(args)])
     items.append([describe(v) for v in piece.inputs])
     return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:32]
-
-
-def describe(v) -> str:
-    """'f32[s72, 64]/[64, 1]@cpu' for a tensor, 'Sym(s72)' for a SymInt, repr otherwise."""
-    if isinstance(v, torch.Tensor):
-        dtype = str(v.dtype).replace("torch.", "")
-        return f"{dtype}[{', '.join(map(str, v.shape))}]/[{', '.join(map(str, v.stride()))}]@{v.device}"
-    if isinstance(v, torch.SymInt):
-        return f"Sym({v})"
-    return repr(v)
 
 
 def token_arg(piece: Piece) -> int | None:

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from compilelm.layers.activation import SiluAndMul
-from compilelm.ops import quant as _quant_ops  # noqa: F401  (registers the ops the patterns use)
-from compilelm.passes.fuse_rms_quant import Fp8FusionPass
+from compilelm.ops.activation import silu_and_mul
+from compilelm.passes.fusion.fuse_norm_quant import Fp8FusionPass
 
 ops = torch.ops.compilelm
-_silu_and_mul = SiluAndMul()  # no parameters: the model's own forward is the pattern
 
 
 def pattern_silu_mul_quant_per_token(x):
-    q, scale = ops.quant_fp8_per_token.default(_silu_and_mul(x))
+    q, scale = ops.quant_fp8_per_token.default(silu_and_mul(x))
     return q, scale
 
 
@@ -33,7 +31,7 @@ def replace_silu_mul_quant_per_token(x):
 
 
 def pattern_silu_mul_quant_static(x, scale):
-    return ops.quant_fp8_static.default(_silu_and_mul(x), scale)
+    return ops.quant_fp8_static.default(silu_and_mul(x), scale)
 
 
 def replace_silu_mul_quant_static(x, scale):

@@ -1,20 +1,20 @@
-"""compilelm::skinny_mm's CUDA kernel (csrc/cuda/skinny_mm.cu) against fp64 matmuls: M = 1..4
+"""compilelm::linear's CUDA kernel (csrc/cuda/skinny_mm.cu) against fp64 matmuls: M = 1..4
 rows (1-2 on the kernel, 3-4 on cuBLAS) in every dtype and on the model shapes (K = 576, 4096,
 14336; odd N), the at::mm fallback (M > 2, unaligned or strided inputs), opcheck, CUDA-graph
-capture; and SkinnyMMPass inside Inductor on a decode-shaped piece (the rewritten graph calls the
-op and matches eager); skinny_mm_out writes exactly skinny_mm's result into a given buffer (the
-full graphs' LM head), and skinny_mm_argmax_out the argmax of those logits too (ties, NaN, repeated
-calls, graph replays). The same for the norm variants (rms_norm_skinny_mm,
-fused_add_rms_norm_skinny_mm: against the reference norm's output in fp64, residual_out exact)
-and RMSNormSkinnyMMFusionPass inside Inductor; their rope variants (the QKV projection with
+capture; and RouteLinearPass inside Inductor on a decode-shaped piece (the rewritten graph calls the
+op and matches eager); linear_out writes exactly linear's result into a given buffer (the
+full graphs' LM head), and linear_argmax_out the argmax of those logits too (ties, NaN, repeated
+calls, graph replays). The same for the norm variants (rms_norm_linear,
+fused_add_rms_norm_linear: against the reference norm's output in fp64, residual_out exact)
+and RMSNormLinearFusionPass inside Inductor; their rope variants (the QKV projection with
 rope_and_cache in its epilogue) bit for bit against the projection followed by rope_and_cache."""
 
 import pytest
 import torch
 from torch.library import opcheck
 
-from compilelm.ops import argmax_rows, skinny_mm, skinny_mm_argmax_out, skinny_mm_out
-from compilelm.passes.skinny_mm import SkinnyMMPass
+from compilelm.ops import argmax_rows, linear, linear_argmax_out, linear_out
+from compilelm.passes.utility.route_linear import RouteLinearPass
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -22,7 +22,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}  # of the
 
 
 def check(x, w):
-    got = skinny_mm(x, w)
+    got = linear(x, w)
     want = (x.double() @ w.double().t())
     assert got.dtype == x.dtype and got.shape == want.shape
     scale = want.abs().max().item() + 1e-6
@@ -50,32 +50,32 @@ def test_fallbacks_and_views():
     check(torch.randn(2, 81, device="cuda", generator=g), torch.randn(5, 81, device="cuda", generator=g))  # K % 4
     check(torch.randn(2, 80, device="cuda", generator=g, dtype=torch.bfloat16), w[::2])  # every other row
     with pytest.raises(RuntimeError, match="one dtype"):
-        skinny_mm(torch.randn(1, 80, device="cuda"), w)
+        linear(torch.randn(1, 80, device="cuda"), w)
 
 
 @pytest.mark.parametrize("m", [1, 2, 5])
 def test_out_variant_writes_the_same_numbers(m):
-    """skinny_mm_out(x, w, out) == skinny_mm(x, w) bit for bit, at M <= 2 (the kernel) and M = 5
+    """linear_out(x, w, out) == linear(x, w) bit for bit, at M <= 2 (the kernel) and M = 5
     (cuBLAS), into a row slice of a wider buffer (the logits buffer at a smaller graph size);
     nothing outside the slice is touched; a wrong out is refused."""
     g = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, 576, device="cuda", generator=g, dtype=torch.bfloat16)
     w = torch.randn(4099, 576, device="cuda", generator=g, dtype=torch.bfloat16)
     buffer = torch.full((8, 4099), 7.0, device="cuda", dtype=torch.bfloat16)
-    assert skinny_mm_out(x, w, buffer[:m]) is not None
-    torch.testing.assert_close(buffer[:m], skinny_mm(x, w), rtol=0, atol=0)
+    assert linear_out(x, w, buffer[:m]) is not None
+    torch.testing.assert_close(buffer[:m], linear(x, w), rtol=0, atol=0)
     assert (buffer[m:] == 7.0).all()
     with pytest.raises(RuntimeError, match="out must be"):
-        skinny_mm_out(x, w, torch.empty(m, 4099, device="cuda"))  # fp32: not x's dtype
+        linear_out(x, w, torch.empty(m, 4099, device="cuda"))  # fp32: not x's dtype
     with pytest.raises(RuntimeError, match="out must be"):
-        skinny_mm_out(x, w, buffer[:m, :4098])
-    opcheck(torch.ops.compilelm.skinny_mm_out.default, (x, w, buffer[:m]))
+        linear_out(x, w, buffer[:m, :4098])
+    opcheck(torch.ops.compilelm.linear_out.default, (x, w, buffer[:m]))
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 2, 5])
 @pytest.mark.parametrize("n", [7, 4099, 49152, 128256])
 def test_argmax_variant_writes_the_logits_and_their_argmax(dtype, m, n):
-    """skinny_mm_argmax_out(x, w, out, ids): out == skinny_mm(x, w) bit for bit, ids == the argmax
+    """linear_argmax_out(x, w, out, ids): out == linear(x, w) bit for bit, ids == the argmax
     of out's rows (argmax_rows and torch agree), at M <= 2 (one kernel: a wave of blocks walking the
     columns, at 128256 many columns per warp) and M = 5 (cuBLAS + argmax_rows); repeated calls on
     new values stay right (the keys and the counter are reset by the last block)."""
@@ -85,11 +85,11 @@ def test_argmax_variant_writes_the_logits_and_their_argmax(dtype, m, n):
     ids = torch.full((8,), -5, device="cuda", dtype=torch.int64)
     for _ in range(3):
         x = torch.randn(m, 576, device="cuda", generator=g).to(dtype)
-        skinny_mm_argmax_out(x, w, buffer[:m], ids[:m])
-        torch.testing.assert_close(buffer[:m], skinny_mm(x, w), rtol=0, atol=0)
+        linear_argmax_out(x, w, buffer[:m], ids[:m])
+        torch.testing.assert_close(buffer[:m], linear(x, w), rtol=0, atol=0)
         assert ids[:m].tolist() == argmax_rows(buffer[:m]).tolist() == buffer[:m].float().argmax(-1).tolist()
     assert (buffer[m:] == 7.0).all() and (ids[m:] == -5).all()
-    opcheck(torch.ops.compilelm.skinny_mm_argmax_out.default, (x, w, buffer[:m], ids[:m]))
+    opcheck(torch.ops.compilelm.linear_argmax_out.default, (x, w, buffer[:m], ids[:m]))
 
 
 @pytest.mark.parametrize("m", [1, 2])
@@ -106,11 +106,11 @@ def test_argmax_variant_ties_and_nan(m):
     w[5] = w[n - 3]
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     ids = torch.empty(m, device="cuda", dtype=torch.int64)
-    skinny_mm_argmax_out(x, w, out, ids)
+    linear_argmax_out(x, w, out, ids)
     assert ids[0].item() == 5 and ids.tolist() == out.float().argmax(-1).tolist()
     w[90000, 0] = float("nan")
     w[100000, 0] = float("nan")
-    skinny_mm_argmax_out(x, w, out, ids)
+    linear_argmax_out(x, w, out, ids)
     assert ids.tolist() == [90000] * m == out.float().argmax(-1).tolist()
 
 
@@ -125,19 +125,19 @@ def test_argmax_variant_in_a_cuda_graph_and_bad_args():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        skinny_mm_argmax_out(x, w, out, ids)  # warm-up outside capture (allocates the counters)
+        linear_argmax_out(x, w, out, ids)  # warm-up outside capture (allocates the counters)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        skinny_mm_argmax_out(x, w, out, ids)
+        linear_argmax_out(x, w, out, ids)
     for _ in range(4):
         x.copy_(torch.randn(1, 576, device="cuda", generator=g, dtype=torch.bfloat16))
         graph.replay()
-        assert ids.tolist() == skinny_mm(x, w).float().argmax(-1).tolist()
+        assert ids.tolist() == linear(x, w).float().argmax(-1).tolist()
     with pytest.raises(RuntimeError, match="argmax must be"):
-        skinny_mm_argmax_out(x, w, out, torch.empty(1, device="cuda", dtype=torch.int32))
+        linear_argmax_out(x, w, out, torch.empty(1, device="cuda", dtype=torch.int32))
     with pytest.raises(RuntimeError, match="out must be"):
-        skinny_mm_argmax_out(x, w, torch.empty(1, 49152, device="cuda"), ids)
+        linear_argmax_out(x, w, torch.empty(1, 49152, device="cuda"), ids)
 
 
 
@@ -145,18 +145,18 @@ def test_opcheck_and_graph_capture():
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(2, 256, device="cuda", generator=g, dtype=torch.bfloat16)
     w = torch.randn(100, 256, device="cuda", generator=g, dtype=torch.bfloat16)
-    opcheck(torch.ops.compilelm.skinny_mm.default, (x, w))
+    opcheck(torch.ops.compilelm.linear.default, (x, w))
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        skinny_mm(x, w)
+        linear(x, w)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = skinny_mm(x, w)
+        out = linear(x, w)
     x.copy_(torch.randn(2, 256, device="cuda", generator=g, dtype=torch.bfloat16))
     graph.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(out, skinny_mm(x, w), rtol=0, atol=0)
+    torch.testing.assert_close(out, linear(x, w), rtol=0, atol=0)
 
 
 def test_pass_inside_inductor_matches_eager(no_tf32):
@@ -169,7 +169,7 @@ def test_pass_inside_inductor_matches_eager(no_tf32):
             return self.down(torch.relu(self.up(x)))
 
     model = Layer().cuda()
-    p = SkinnyMMPass()
+    p = RouteLinearPass()
     compiled = torch.compile(model, options={"post_grad_custom_post_pass": p, "fx_graph_cache": False})
     with torch.no_grad():
         for m in (3, 4, 7, 2, 1):
@@ -179,7 +179,7 @@ def test_pass_inside_inductor_matches_eager(no_tf32):
     assert p.matches == 4  # both linears of the symbolic-size graph, then of M = 1's (Dynamo specializes size 1)
 
 
-# -- rms_norm_skinny_mm / fused_add_rms_norm_skinny_mm ------------------------------------------
+# -- rms_norm_linear / fused_add_rms_norm_linear ------------------------------------------
 
 EPS = 1e-5
 
@@ -195,13 +195,13 @@ def norm_inputs(m, n, k, dtype, seed):
 def check_norm_mm(x, r, gamma, w):
     """y against fp64 matmuls of the reference norm's output (rms_norm in x's dtype, its
     roundings); residual_out exactly x + r."""
-    from compilelm.layers.layernorm import rms_norm
+    from compilelm.ops.norm import rms_norm
     ops = torch.ops.compilelm
     for residual in (None, r):
         if residual is None:
-            got, h = ops.rms_norm_skinny_mm(x, gamma, EPS, w), x
+            got, h = ops.rms_norm_linear(x, gamma, EPS, w), x
         else:
-            got, r_out = ops.fused_add_rms_norm_skinny_mm(x, residual, gamma, EPS, w)
+            got, r_out = ops.fused_add_rms_norm_linear(x, residual, gamma, EPS, w)
             h = x + residual
             assert torch.equal(r_out, h)
         want = rms_norm(h, gamma, EPS).double() @ w.double().t()
@@ -225,18 +225,18 @@ def test_norm_fallbacks_opcheck_and_graph_capture():
     check_norm_mm(*norm_inputs(1, 8, 16384, torch.float32, seed=4))  # rows over the shared-memory limit
     ops = torch.ops.compilelm
     w = w[:, :80].contiguous()
-    opcheck(ops.rms_norm_skinny_mm.default, (x, gamma, EPS, w))
-    opcheck(ops.fused_add_rms_norm_skinny_mm.default, (x, r, gamma, EPS, w))
+    opcheck(ops.rms_norm_linear.default, (x, gamma, EPS, w))
+    opcheck(ops.fused_add_rms_norm_linear.default, (x, r, gamma, EPS, w))
     with pytest.raises(RuntimeError, match="norm_weight"):
-        ops.rms_norm_skinny_mm(x, gamma.float(), EPS, w)
+        ops.rms_norm_linear(x, gamma.float(), EPS, w)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y, r_out = ops.fused_add_rms_norm_skinny_mm(x, r, gamma, EPS, w)
+        y, r_out = ops.fused_add_rms_norm_linear(x, r, gamma, EPS, w)
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
-    want_y, want_r = ops.fused_add_rms_norm_skinny_mm(x, r, gamma, EPS, w)
+    want_y, want_r = ops.fused_add_rms_norm_linear(x, r, gamma, EPS, w)
     assert torch.equal(y, want_y) and torch.equal(r_out, want_r)
 
 
@@ -263,13 +263,13 @@ def test_rope_variant_equals_projection_then_rope_and_cache(dtype, m, heads, kv_
     slots[-1] = -1 if m > 1 else slots[-1]
     caches = [torch.zeros(8, 16, kv_heads, head_dim, device="cuda", dtype=dtype) for _ in range(4)]
     if residual:
-        got, r_out = ops.fused_add_rms_norm_skinny_mm_rope(x, r, gamma, EPS, w, positions, cos_sin, *caches[:2],
+        got, r_out = ops.fused_add_rms_norm_qkv_rope_cache(x, r, gamma, EPS, w, positions, cos_sin, *caches[:2],
                                                            slots, heads)
-        qkv, want_r = ops.fused_add_rms_norm_skinny_mm(x, r, gamma, EPS, w)
+        qkv, want_r = ops.fused_add_rms_norm_linear(x, r, gamma, EPS, w)
         assert torch.equal(r_out, want_r)
     else:
-        got = ops.rms_norm_skinny_mm_rope(x, gamma, EPS, w, positions, cos_sin, *caches[:2], slots, heads)
-        qkv = ops.rms_norm_skinny_mm(x, gamma, EPS, w)
+        got = ops.rms_norm_qkv_rope_cache(x, gamma, EPS, w, positions, cos_sin, *caches[:2], slots, heads)
+        qkv = ops.rms_norm_linear(x, gamma, EPS, w)
     q, k, v = (t.view(m, -1, head_dim) for t in qkv.split([heads * head_dim, kv_heads * head_dim,
                                                              kv_heads * head_dim], dim=-1))
     want = ops.rope_and_cache(positions, q, k, v, cos_sin, None, None, 0.0, *caches[2:], slots)
@@ -286,21 +286,21 @@ def test_rope_variant_opcheck_graph_capture_and_bad_args():
     positions, slots = torch.tensor([3], device="cuda"), torch.tensor([17], device="cuda")
     kc, vc = (torch.zeros(4, 16, 3, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     args = (x, r, gamma, EPS, w, positions, cos_sin, kc, vc, slots, 9)
-    opcheck(ops.fused_add_rms_norm_skinny_mm_rope.default, args)
-    opcheck(ops.rms_norm_skinny_mm_rope.default, (x, gamma, EPS, w, positions, cos_sin, kc, vc, slots, 9))
+    opcheck(ops.fused_add_rms_norm_qkv_rope_cache.default, args)
+    opcheck(ops.rms_norm_qkv_rope_cache.default, (x, gamma, EPS, w, positions, cos_sin, kc, vc, slots, 9))
     with pytest.raises(RuntimeError, match="num_heads"):
-        ops.rms_norm_skinny_mm_rope(x, gamma, EPS, w, positions, cos_sin, kc, vc, slots, 8)
+        ops.rms_norm_qkv_rope_cache(x, gamma, EPS, w, positions, cos_sin, kc, vc, slots, 8)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        q, r_out = ops.fused_add_rms_norm_skinny_mm_rope(*args)
+        q, r_out = ops.fused_add_rms_norm_qkv_rope_cache(*args)
     x.copy_(torch.randn_like(x))
     positions.fill_(11)
     slots.fill_(40)
     graph.replay()
     torch.cuda.synchronize()
     kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
-    want_q, want_r = ops.fused_add_rms_norm_skinny_mm_rope(x, r, gamma, EPS, w, positions, cos_sin, kc2, vc2, slots, 9)
+    want_q, want_r = ops.fused_add_rms_norm_qkv_rope_cache(x, r, gamma, EPS, w, positions, cos_sin, kc2, vc2, slots, 9)
     assert torch.equal(q, want_q) and torch.equal(r_out, want_r)
     assert torch.equal(kc[2, 8], kc2[2, 8]) and torch.equal(vc[2, 8], vc2[2, 8])  # slot 40 = block 2, row 8
 
@@ -340,7 +340,7 @@ def test_norm_fusion_inside_inductor_matches_eager(no_tf32):
     with torch.no_grad():
         for norm in (model.n1, model.n2):
             norm.weight.uniform_(0.5, 1.5)
-    compiled, fusion = compile_with_passes(model, "RMSNormSkinnyMMFusionPass")
+    compiled, fusion = compile_with_passes(model, "RMSNormLinearFusionPass")
     with torch.no_grad():
         for x in dynamic_rows():
             for got, want in zip(compiled(x), model(x)):
@@ -348,12 +348,12 @@ def test_norm_fusion_inside_inductor_matches_eager(no_tf32):
     assert fusion.matches == 4  # both norms of the symbolic-size graph, then of M = 1's
 
 
-# -- silu_mul_skinny_mm ------------------------------------------------------------------------
+# -- silu_mul_linear ------------------------------------------------------------------------
 
 def check_act_mm(x, w):
     """y against fp64 matmuls of the reference activation (SiluAndMul in x's dtype, its roundings)."""
     from compilelm.layers.activation import SiluAndMul
-    got = torch.ops.compilelm.silu_mul_skinny_mm(x, w)
+    got = torch.ops.compilelm.silu_mul_linear(x, w)
     want = SiluAndMul()(x).double() @ w.double().t()
     assert got.dtype == x.dtype and got.shape == want.shape
     err = (got.double() - want).abs().max().item() / (want.abs().max().item() + 1e-6)
@@ -377,17 +377,17 @@ def test_silu_mul_fallbacks_opcheck_and_graph_capture():
     big = torch.randn(2, 170, device="cuda", dtype=torch.bfloat16)
     check_act_mm(big[:, 1:161], w)  # unaligned rows: SiLU-and-mul + at::mm
     check_act_mm(x, w)
-    opcheck(ops.silu_mul_skinny_mm.default, (x, w))
+    opcheck(ops.silu_mul_linear.default, (x, w))
     with pytest.raises(RuntimeError, match="gate | up"):
-        ops.silu_mul_skinny_mm(x, w[:, :40].contiguous())
+        ops.silu_mul_linear(x, w[:, :40].contiguous())
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = ops.silu_mul_skinny_mm(x, w)
+        y = ops.silu_mul_linear(x, w)
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(y, ops.silu_mul_skinny_mm(x, w))
+    assert torch.equal(y, ops.silu_mul_linear(x, w))
 
 
 def test_silu_mul_fusion_inside_inductor_matches_eager(no_tf32):
@@ -404,7 +404,7 @@ def test_silu_mul_fusion_inside_inductor_matches_eager(no_tf32):
             return self.down(self.act(self.gate_up(x)))
 
     model = MLP().cuda().to(torch.bfloat16)
-    compiled, fusion = compile_with_passes(model, "SiluMulSkinnyMMFusionPass")
+    compiled, fusion = compile_with_passes(model, "SiluMulLinearFusionPass")
     with torch.no_grad():
         for x in dynamic_rows():
             torch.testing.assert_close(compiled(x), model(x), rtol=2e-2, atol=2e-2)

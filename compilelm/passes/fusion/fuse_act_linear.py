@@ -1,5 +1,5 @@
-"""SiLU-and-mul + skinny_mm fusion (CUDA, post-grad, per piece): the MLP's activation moves into
-the skinny_mm on one side of it (SkinnyMMPass put the linears there), so it is no longer an
+"""SiLU-and-mul + linear fusion (CUDA, post-grad, per piece): the MLP's activation moves into
+the linear on one side of it (RouteLinearPass put the linears there), so it is no longer an
 Inductor kernel between two of ours and the layer's kernels chain with programmatic dependent
 launch end to end.
 
@@ -8,26 +8,26 @@ the kernel computes silu(gate) * up of the rows into shared memory, then streams
 against it (csrc/cuda/skinny_mm.cu); one kernel fewer per layer at batch 1-2.
 
     before                                                  after
-    split = aten.split(x, d, -1)                            y = compilelm.silu_mul_skinny_mm(x, w)
+    split = aten.split(x, d, -1)                            y = compilelm.silu_mul_linear(x, w)
     gate, up = split[0], split[1]                    ==>
     act = aten.mul(aten.silu(gate), up)
-    y = compilelm.skinny_mm(act, w)
+    y = compilelm.linear(act, w)
 
 Every block recomputes the K activations: nothing at 1536, ~15M exps per step at Llama-3.1-8B's
 14336 (where RMSNorm's per-block prologue already cost the fused kernel 6%). Above that size the
 activation goes into gate_up_proj instead, as its epilogue: at 3-64 rows on sm_90 the Triton GEMM
 (hopper_mm_out) computes a gate tile and its up tile side by side and stores silu(gate) * up, one
 kernel fewer per layer and the [M, 2I] product never written; at 1-2 rows and elsewhere the op
-runs skinny_mm and the SiLU-and-mul kernel.
+runs linear and the SiLU-and-mul kernel.
 
     before                                                  after
-    gate_up = compilelm.skinny_mm(x, w)                     act = compilelm.skinny_mm_silu_mul(x, w)
+    gate_up = compilelm.linear(x, w)                     act = compilelm.gate_up_silu_mul(x, w)
     split = aten.split(gate_up, d, -1)               ==>
     gate, up = split[0], split[1]
     act = aten.mul(aten.silu(gate), up)
 
 Only activations that feed nothing but the linear (down side) or products that feed nothing but
-the activation (gate_up side) match; a gate_up product that RMSNormSkinnyMMFusionPass already took
+the activation (gate_up side) match; a gate_up product that RMSNormLinearFusionPass already took
 (hidden size <= 2048, e.g. Qwen3-0.6B's) keeps its activation. Elsewhere the ops run what the
 unfused graph would.
 
@@ -40,38 +40,36 @@ from __future__ import annotations
 
 import torch
 
-import compilelm.ops  # noqa: F401  (defines the ops the patterns use)
-from compilelm.layers.activation import SiluAndMul
-from compilelm.ops.linear import MAX_INTERMEDIATE  # the largest K that fuses into down_proj (see above)
-from compilelm.passes.skinny_mm import SkinnyMMFusionPass
+from compilelm.ops.activation import silu_and_mul
+from compilelm.ops.gemm import MAX_INTERMEDIATE  # the largest K that fuses into down_proj (see above)
+from compilelm.passes.utility.route_linear import LinearFusionPass
 
 ops = torch.ops.compilelm
-_silu_and_mul = SiluAndMul()  # no parameters: the model's own forward is the pattern
 
 
-def pattern_silu_mul_skinny_mm(x, weight):
-    return ops.skinny_mm.default(_silu_and_mul(x), weight)
+def pattern_silu_mul_linear(x, weight):
+    return ops.linear.default(silu_and_mul(x), weight)
 
 
-def replace_silu_mul_skinny_mm(x, weight):
-    return ops.silu_mul_skinny_mm.default(x, weight)
+def replace_silu_mul_linear(x, weight):
+    return ops.silu_mul_linear.default(x, weight)
 
 
-def pattern_skinny_mm_silu_mul(x, weight):
-    return _silu_and_mul(ops.skinny_mm.default(x, weight))
+def pattern_gate_up_silu_mul(x, weight):
+    return silu_and_mul(ops.linear.default(x, weight))
 
 
-def replace_skinny_mm_silu_mul(x, weight):
-    return ops.skinny_mm_silu_mul.default(x, weight)
+def replace_gate_up_silu_mul(x, weight):
+    return ops.gate_up_silu_mul.default(x, weight)
 
 
-class SiluMulSkinnyMMFusionPass(SkinnyMMFusionPass):
+class SiluMulLinearFusionPass(LinearFusionPass):
     def register(self):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             x, w = torch.empty(4, 32, dtype=dtype), torch.empty(8, 16, dtype=dtype)
-            self.replace(pattern_silu_mul_skinny_mm, replace_silu_mul_skinny_mm, [x, w], extra_check=_into_down)
+            self.replace(pattern_silu_mul_linear, replace_silu_mul_linear, [x, w], extra_check=_into_down)
             x, w = torch.empty(4, 16, dtype=dtype), torch.empty(64, 16, dtype=dtype)
-            self.replace(pattern_skinny_mm_silu_mul, replace_skinny_mm_silu_mul, [x, w], extra_check=_into_gate_up)
+            self.replace(pattern_gate_up_silu_mul, replace_gate_up_silu_mul, [x, w], extra_check=_into_gate_up)
 
 
 def _weight(match) -> torch.Tensor | None:

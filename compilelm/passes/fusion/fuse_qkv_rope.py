@@ -2,7 +2,7 @@
 
 With this pass on, `RopeAttentionFusionPass` leaves RoPE and the KV-cache write in the piece
 before the attention op, as `compilelm.rope_cache`. Where its q, k and v are the three parts of
-a QKV projection (skinny_mm, or `RMSNormSkinnyMMFusionPass`'s normed ops), the rotation moves
+a QKV projection (linear, or `RMSNormLinearFusionPass`'s normed ops), the rotation moves
 into the projection's kernel: at decode sizes (M <= 2) its blocks compute the rotation pairs of
 a head and write the rotated query, and the key and value rows to their cache slots
 (csrc/cuda/skinny_mm.cu, kRope); at 3-64 rows on an H100 the Hopper GEMM does the same in its
@@ -17,15 +17,15 @@ the plain projection then attention with RoPE inside at one row; the batch-64 ta
 still missed, so the pass stays on for every width).
 
     before (one layer, bf16)                               after
-    f = compilelm.fused_add_rms_norm_skinny_mm(            f = compilelm.fused_add_rms_norm_qkv_rope(
+    f = compilelm.fused_add_rms_norm_linear(            f = compilelm.fused_add_rms_norm_qkv_rope(
             x, residual, norm_w, eps, w_qkv)                       x, residual, norm_w, eps, w_qkv,
     qkv, residual_out = f[0], f[1]                 ==>             positions, cos_sin_cache, 9)
     split = aten.split_with_sizes(qkv, [576, 192, 192], -1)  rotated, residual_out = f[0], f[1]
     rotated = compilelm.rope_cache(split[0], split[1], split[2],
             positions, cos_sin_cache, 64)
 
-the first layer's `rms_norm_skinny_mm` -> `compilelm.rms_norm_qkv_rope`, and a plain
-`skinny_mm(x, w_qkv)` (a model too wide for the norm to fuse: Llama-3.1-8B) ->
+the first layer's `rms_norm_linear` -> `compilelm.rms_norm_qkv_rope`, and a plain
+`linear(x, w_qkv)` (a model too wide for the norm to fuse: Llama-3.1-8B) ->
 `compilelm.qkv_rope(x, w_qkv, positions, cos_sin_cache, num_heads)`. No such op names its layer:
 they write the cache of the next attention layer (ForwardContext.next_kv_cache), so every layer's
 piece stays the same code, compiled once. The rewrite is a walk over the rope_cache
@@ -38,21 +38,20 @@ import operator
 
 import torch
 
-from compilelm.passes import fuse_rope_attention  # noqa: F401  (rope_cache's stand-in, which ours calls)
+from compilelm.passes.fusion import fuse_rope_attention  # noqa: F401  (rope_cache's stand-in, which ours calls)
 from compilelm.passes.base import CompilePass
-from compilelm.passes.verify import STAND_INS
+from compilelm.passes.debug.verify import STAND_INS
 
 ops = torch.ops.compilelm
 aten = torch.ops.aten
-FUSED = {ops.skinny_mm.default: ops.qkv_rope.default,  # projection op -> the op with RoPE
-         ops.rms_norm_skinny_mm.default: ops.rms_norm_qkv_rope.default,
-         ops.fused_add_rms_norm_skinny_mm.default: ops.fused_add_rms_norm_qkv_rope.default}
+FUSED = {ops.linear.default: ops.qkv_rope.default,  # projection op -> the op with RoPE
+         ops.rms_norm_linear.default: ops.rms_norm_qkv_rope.default,
+         ops.fused_add_rms_norm_linear.default: ops.fused_add_rms_norm_qkv_rope.default}
 
 
 class QKVRopeFusionPass(CompilePass):
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        if graph.find_nodes(op="call_function", target=ops.rope_cache.default):  # else not even recorded
-            super().__call__(graph)
+    def applies_to(self, graph: torch.fx.Graph) -> bool:
+        return bool(graph.find_nodes(op="call_function", target=ops.rope_cache.default))
 
     def run(self, graph: torch.fx.Graph) -> int:
         return sum(_fuse(graph, node) for node in list(graph.find_nodes(op="call_function",
@@ -71,10 +70,10 @@ def _fuse(graph: torch.fx.Graph, rope_cache: torch.fx.Node) -> int:
     y, sizes, *dim = split.args
     if len(split.users) != 3 or dim not in ([-1], [1]) or len(y.users) != 1 or not isinstance(head_dim, int):
         return 0
-    if y.target in FUSED:  # skinny_mm, rms_norm_skinny_mm: y is the projection
+    if y.target in FUSED:  # linear, rms_norm_linear: y is the projection
         proj, residual_out = y, None
     elif y.target is operator.getitem and y.args[1] == 0 and y.args[0].target in FUSED:
-        proj = y.args[0]  # fused_add_rms_norm_skinny_mm: y = proj[0], proj[1] = residual_out
+        proj = y.args[0]  # fused_add_rms_norm_linear: y = proj[0], proj[1] = residual_out
         outs = {u.args[1]: u for u in proj.users}
         if set(outs) - {0, 1}:
             return 0
@@ -111,11 +110,11 @@ def _stand_in(x, *args):
     """The graph before: the projection, then rope_cache's stand-in (fuse_rope_attention.py)."""
     *proj_args, positions, cos_sin_cache, num_heads = args
     if len(proj_args) == 4:
-        qkv, residual_out = ops.fused_add_rms_norm_skinny_mm(x, *proj_args)
+        qkv, residual_out = ops.fused_add_rms_norm_linear(x, *proj_args)
     elif len(proj_args) == 3:
-        qkv, residual_out = ops.rms_norm_skinny_mm(x, *proj_args), None
+        qkv, residual_out = ops.rms_norm_linear(x, *proj_args), None
     else:
-        qkv, residual_out = ops.skinny_mm(x, *proj_args), None
+        qkv, residual_out = ops.linear(x, *proj_args), None
     head_dim = cos_sin_cache.shape[1]
     kv = (qkv.shape[1] - num_heads * head_dim) // 2
     q, k, v = qkv.split([num_heads * head_dim, kv, kv], dim=-1)

@@ -1,7 +1,7 @@
 """A harness for testing a pass on a toy module: trace it the way compilelm does, run the
 passes, count matches and ops before/after, and compare the rewritten graph with eager.
 
-    from compilelm.passes.testing import check_pass
+    from compilelm.passes.debug.testing import check_pass
 
     result = check_pass(MyModule(), [torch.randn(5, 64)], [MySiluMulFusionPass()],
                         matches={"MySiluMulFusionPass": 1},
@@ -28,7 +28,7 @@ from torch._inductor.decomposition import select_decomp_table
 from torch.utils._pytree import tree_leaves
 
 from compilelm.passes.base import CompilePass
-from compilelm.passes.noop_elimination import NoOpEliminationPass
+from compilelm.passes.utility.noop_elimination import NoOpEliminationPass
 
 
 @dataclass

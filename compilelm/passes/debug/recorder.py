@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compilelm.passes.verify import max_error, snapshot
+from compilelm.passes.debug.verify import max_error, snapshot
 
 
 @dataclass

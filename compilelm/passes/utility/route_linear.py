@@ -1,4 +1,4 @@
-"""Route a linear layer's matmul through `compilelm::skinny_mm`, which streams the weight once
+"""Route a linear layer's matmul through `compilelm::linear`, which streams the weight once
 at decode batch sizes (M <= 2 rows) and hands larger M to cuBLAS.
 
 At M = 1 a linear layer is a read of its weight, and cuBLAS's tile choices leave bandwidth unused
@@ -8,7 +8,7 @@ it was faster than cuBLAS on every Llama-3.1-8B and SmolLM2-135M layer shape
 (benchmarks/bench_skinny_mm.py, results/bench_skinny_mm.json).
 
     permute: "bf16[4096, 4096]" = aten.permute(w, [1, 0])
-    mm: "bf16[s0, 4096]" = aten.mm(x, permute)           ==>   mm: "bf16[s0, 4096]" = compilelm.skinny_mm(x, w)
+    mm: "bf16[s0, 4096]" = aten.mm(x, permute)           ==>   mm: "bf16[s0, 4096]" = compilelm.linear(x, w)
 
 Only CUDA graphs, only weights (graph inputs or constants, 2-D, rows contiguous), and only where
 M may be <= 2: the symbolic-size graph (the op picks the kernel per call) and static sizes 1-2.
@@ -20,18 +20,16 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-import compilelm.ops  # noqa: F401 (defines compilelm::skinny_mm)
+import compilelm.ops  # noqa: F401 (defines compilelm::linear)
 from compilelm.passes.base import CompilePass, FusionPass
 
 aten = torch.ops.aten
 MAX_ROWS = 2  # as kMaxRows in csrc/cuda/skinny_mm.cu
 
 
-class SkinnyMMPass(CompilePass):
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        # (graphs without such a matmul, e.g. every CPU graph, are not even recorded)
-        if any(_routable(mm) for mm in graph.find_nodes(op="call_function", target=aten.mm.default)):
-            super().__call__(graph)
+class RouteLinearPass(CompilePass):
+    def applies_to(self, graph: torch.fx.Graph) -> bool:  # (not on CPU graphs)
+        return any(_routable(mm) for mm in graph.find_nodes(op="call_function", target=aten.mm.default))
 
     def run(self, graph: torch.fx.Graph) -> int:
         count = 0
@@ -41,7 +39,7 @@ class SkinnyMMPass(CompilePass):
                 continue
             x = mm.args[0]
             with graph.inserting_before(mm):
-                fused = graph.call_function(torch.ops.compilelm.skinny_mm.default, (x, weight))
+                fused = graph.call_function(torch.ops.compilelm.linear.default, (x, weight))
             fused.meta = dict(mm.meta)
             mm.replace_all_uses_with(fused)
             graph.erase_node(mm)
@@ -49,17 +47,16 @@ class SkinnyMMPass(CompilePass):
         return count
 
 
-class SkinnyMMFusionPass(FusionPass):
-    """Base of the fusions into skinny_mm (they run after SkinnyMMPass): graphs without a
-    skinny_mm node, e.g. every CPU graph, are not even recorded."""
+class LinearFusionPass(FusionPass):
+    """Base of the fusions into linear (they run after RouteLinearPass): graphs without a
+    linear node, e.g. every CPU graph, are not even recorded."""
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        if graph.find_nodes(op="call_function", target=torch.ops.compilelm.skinny_mm.default):
-            super().__call__(graph)
+    def applies_to(self, graph: torch.fx.Graph) -> bool:
+        return bool(graph.find_nodes(op="call_function", target=torch.ops.compilelm.linear.default))
 
 
 def _routable(mm: torch.fx.Node) -> torch.fx.Node | None:
-    """The weight of `mm` if it goes to skinny_mm, else None."""
+    """The weight of `mm` if it goes to linear, else None."""
     x, w_t = mm.args
     weight = _transposed_weight(w_t)
     return weight if weight is not None and _applies(x, weight) else None

@@ -7,7 +7,9 @@ followed by the add+norm (same numerics as the unfused graph). On CUDA both ops 
 all-reduce over peer memory (`custom_all_reduce.py`; the fused op with the add and the norm in
 its epilogue) when the tensor fits its buffer, else NCCL (+ the fused add+RMSNorm kernel).
 
-`all_gather` is called outside the compiled graph (the vocab-parallel LM head), eagerly.
+`tensor_model_parallel_all_gather` is called outside the compiled graph (the vocab-parallel LM
+head), eagerly. The peer buffers of the one-shot kernels are a process resource, managed in
+compilelm/distributed/custom_all_reduce.py (whose kernels this package's library loads).
 """
 
 from __future__ import annotations

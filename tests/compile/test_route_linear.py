@@ -1,4 +1,4 @@
-"""SkinnyMMPass: a linear's mm on CUDA -> compilelm.skinny_mm where M may be <= 2; static M > 2,
+"""RouteLinearPass: a linear's mm on CUDA -> compilelm.linear where M may be <= 2; static M > 2,
 CPU graphs, and matmuls that are not `x @ w.T` stay. Graphs are traced with fake CUDA tensors
 (no GPU needed); the rewritten graph then runs on real CPU tensors (the op's CPU kernel is the
 matmul) against the original."""
@@ -12,10 +12,10 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.library import opcheck
 
 import compilelm.ops  # noqa: F401
-from compilelm.passes.skinny_mm import SkinnyMMPass
+from compilelm.passes.utility.route_linear import RouteLinearPass
 
 aten = torch.ops.aten
-skinny = torch.ops.compilelm.skinny_mm.default
+skinny = torch.ops.compilelm.linear.default
 
 
 def linear_pair(x, w1, w2):
@@ -40,12 +40,12 @@ def targets(gm):
 
 @pytest.mark.parametrize("m, symbolic, expected", [(1, False, 2), (2, False, 2), (3, False, 0), (64, False, 0),
                                                    (3, True, 2)])
-def test_linear_mms_become_skinny_mm_where_m_may_be_small(m, symbolic, expected):
+def test_linear_mms_become_compilelm_linear_where_m_may_be_small(m, symbolic, expected):
     shapes = [(m, 16), (24, 16), (8, 24)]
     gm = trace(linear_pair, shapes, symbolic=symbolic)
     x_val = next(iter(gm.graph.find_nodes(op="placeholder"))).meta["val"]
     assert isinstance(x_val.shape[0], torch.SymInt) == symbolic
-    p = SkinnyMMPass()
+    p = RouteLinearPass()
     p(gm.graph)
     gm.recompile()
     assert p.matches == expected
@@ -65,29 +65,29 @@ def test_cpu_graphs_and_mixed_dtypes_are_kept():
         x, w = torch.empty(1, 16, device="cuda", dtype=torch.bfloat16), torch.empty(24, 16, device="cuda")
     cast_weight = make_fx(lambda x, w: torch.mm(x, w.to(x.dtype).t()))(x, w)  # not a graph input: kept
     for gm, expected in ((cpu, 0), (mixed, 1), (cast_weight, 0)):
-        p = SkinnyMMPass()
+        p = RouteLinearPass()
         p(gm.graph)
         assert p.matches == expected
 
 
-def test_skinny_mm_op_cpu_and_opcheck():
+def test_linear_op_cpu_and_opcheck():
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 40, generator=gen), torch.randn(7, 40, generator=gen)
     torch.testing.assert_close(skinny(x, w), x @ w.t(), rtol=0, atol=0)
     opcheck(skinny, (x, w))
-    with pytest.raises(RuntimeError, match="skinny_mm"):
+    with pytest.raises(RuntimeError, match="linear"):
         with FakeTensorMode():
             skinny(torch.empty(3, 40), torch.empty(7, 41))
 
 
-# -- RMSNormSkinnyMMFusionPass: the norm (and residual add) before a skinny_mm joins it ----------
+# -- RMSNormLinearFusionPass: the norm (and residual add) before a linear joins it ----------
 
 EPS = 1e-6
 
 
 def norm_linears(x, residual, n1, n2, w1, w2):
     """The first layer's input norm + qkv (no residual), then add + post-attention norm + gate_up."""
-    from compilelm.layers.layernorm import rms_norm
+    from compilelm.ops.norm import rms_norm
     a = torch.mm(rms_norm(x, n1, EPS), w1.t())
     r = a + residual
     return torch.mm(rms_norm(r, n2, EPS), w2.t()), r
@@ -95,7 +95,7 @@ def norm_linears(x, residual, n1, n2, w1, w2):
 
 def norm_shared(x, n1, w1):
     """The norm's output also feeds something else: it must stay."""
-    from compilelm.layers.layernorm import rms_norm
+    from compilelm.ops.norm import rms_norm
     h = rms_norm(x, n1, EPS)
     return torch.mm(h, w1.t()), h.sum()
 
@@ -106,7 +106,7 @@ def trace_decomposed(fn, shapes, dtype, extra=()):
     own dtype (1-d ones of length M with the symbolic M)."""
     from torch._inductor.decomposition import select_decomp_table
 
-    from compilelm.passes.noop_elimination import NoOpEliminationPass
+    from compilelm.passes.utility.noop_elimination import NoOpEliminationPass
     mode = FakeTensorMode(shape_env=ShapeEnv())
     with mode:
         m = mode.shape_env.create_unspecified_symint_and_symbol(shapes[0][0], ConstantSource("m"), DimDynamic.DYNAMIC)
@@ -119,10 +119,10 @@ def trace_decomposed(fn, shapes, dtype, extra=()):
     return gm
 
 
-def skinny_mm_then(fusion, fn, shapes, dtype, extra=()):
-    """fn's decomposed graph after SkinnyMMPass, then `fusion`: (graph module, both passes)."""
+def linear_then(fusion, fn, shapes, dtype, extra=()):
+    """fn's decomposed graph after RouteLinearPass, then `fusion`: (graph module, both passes)."""
     gm = trace_decomposed(fn, shapes, dtype, extra)
-    skinny_pass = SkinnyMMPass()
+    skinny_pass = RouteLinearPass()
     skinny_pass(gm.graph)
     fusion(gm.graph)
     gm.recompile()
@@ -130,14 +130,14 @@ def skinny_mm_then(fusion, fn, shapes, dtype, extra=()):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norms_before_skinny_mm_fuse_into_it(dtype):
-    from compilelm.passes.fuse_norm_skinny_mm import RMSNormSkinnyMMFusionPass
+def test_norms_before_linear_fuse_into_it(dtype):
+    from compilelm.passes.fusion.fuse_norm_linear import RMSNormLinearFusionPass
     shapes = [(3, 16), (3, 8), (16,), (8,), (8, 16), (24, 8)]
-    gm, skinny_pass, fusion = skinny_mm_then(RMSNormSkinnyMMFusionPass(), norm_linears, shapes, dtype)
+    gm, skinny_pass, fusion = linear_then(RMSNormLinearFusionPass(), norm_linears, shapes, dtype)
     assert skinny_pass.matches == 2 and fusion.matches == 2
     t = targets(gm)
-    assert t.count(torch.ops.compilelm.rms_norm_skinny_mm.default) == 1
-    assert t.count(torch.ops.compilelm.fused_add_rms_norm_skinny_mm.default) == 1
+    assert t.count(torch.ops.compilelm.rms_norm_linear.default) == 1
+    assert t.count(torch.ops.compilelm.fused_add_rms_norm_linear.default) == 1
     assert skinny not in t and aten.mean.dim not in t and aten.rsqrt.default not in t
     # the rewritten graph on real CPU tensors (the ops' CPU kernels are the references) == eager
     gen = torch.Generator().manual_seed(0)
@@ -147,42 +147,42 @@ def test_norms_before_skinny_mm_fuse_into_it(dtype):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_norm_with_other_users_wide_hidden_and_graphs_without_skinny_mm_are_kept():
-    from compilelm.passes.fuse_norm_skinny_mm import RMSNormSkinnyMMFusionPass
+def test_norm_with_other_users_wide_hidden_and_graphs_without_linear_are_kept():
+    from compilelm.passes.fusion.fuse_norm_linear import RMSNormLinearFusionPass
     shared = trace_decomposed(norm_shared, [(3, 16), (16,), (8, 16)], torch.float32)
-    SkinnyMMPass()(shared.graph)
-    fusion = RMSNormSkinnyMMFusionPass()
+    RouteLinearPass()(shared.graph)
+    fusion = RMSNormLinearFusionPass()
     fusion(shared.graph)
     assert fusion.matches == 0 and skinny in targets(shared)
     wide = trace_decomposed(norm_linears, [(1, 4096), (1, 8), (4096,), (8,), (8, 4096), (24, 8)], torch.float32)
-    SkinnyMMPass()(wide.graph)
-    fusion = RMSNormSkinnyMMFusionPass()
+    RouteLinearPass()(wide.graph)
+    fusion = RMSNormLinearFusionPass()
     fusion(wide.graph)  # the first norm's hidden size (4096) is past MAX_HIDDEN; the second's (8) fuses
-    assert fusion.matches == 1 and targets(wide).count(torch.ops.compilelm.rms_norm_skinny_mm.default) == 0
-    plain = trace_decomposed(norm_shared, [(3, 16), (16,), (8, 16)], torch.float32)  # no skinny_mm in it
-    fusion = RMSNormSkinnyMMFusionPass()
+    assert fusion.matches == 1 and targets(wide).count(torch.ops.compilelm.rms_norm_linear.default) == 0
+    plain = trace_decomposed(norm_shared, [(3, 16), (16,), (8, 16)], torch.float32)  # no linear in it
+    fusion = RMSNormLinearFusionPass()
     fusion(plain.graph)
     assert fusion.matches == 0 and fusion._patterns is None  # not even registered
 
 
-def test_norm_skinny_mm_ops_cpu_and_opcheck():
-    from compilelm.layers.layernorm import rms_norm
+def test_norm_linear_ops_cpu_and_opcheck():
+    from compilelm.ops.norm import rms_norm
     gen = torch.Generator().manual_seed(0)
     x, r, w = (torch.randn(s, generator=gen, dtype=torch.bfloat16) for s in ((2, 40), (2, 40), (7, 40)))
     g = torch.rand(40, generator=gen, dtype=torch.bfloat16) + 0.5
     ops = torch.ops.compilelm
-    torch.testing.assert_close(ops.rms_norm_skinny_mm(x, g, EPS, w), rms_norm(x, g, EPS) @ w.t(), rtol=0, atol=0)
-    y, r_out = ops.fused_add_rms_norm_skinny_mm(x, r, g, EPS, w)
+    torch.testing.assert_close(ops.rms_norm_linear(x, g, EPS, w), rms_norm(x, g, EPS) @ w.t(), rtol=0, atol=0)
+    y, r_out = ops.fused_add_rms_norm_linear(x, r, g, EPS, w)
     assert torch.equal(r_out, x + r)
     torch.testing.assert_close(y, rms_norm(x + r, g, EPS) @ w.t(), rtol=0, atol=0)
-    opcheck(ops.rms_norm_skinny_mm.default, (x, g, EPS, w))
-    opcheck(ops.fused_add_rms_norm_skinny_mm.default, (x, r, g, EPS, w))
+    opcheck(ops.rms_norm_linear.default, (x, g, EPS, w))
+    opcheck(ops.fused_add_rms_norm_linear.default, (x, r, g, EPS, w))
     with pytest.raises(RuntimeError, match="norm_weight"):
         with FakeTensorMode():
-            ops.rms_norm_skinny_mm(torch.empty(3, 40), torch.empty(41), EPS, torch.empty(7, 40))
+            ops.rms_norm_linear(torch.empty(3, 40), torch.empty(41), EPS, torch.empty(7, 40))
 
 
-# -- SiluMulSkinnyMMFusionPass: the MLP's activation before down_proj's skinny_mm joins it -------
+# -- SiluMulLinearFusionPass: the MLP's activation before down_proj's linear joins it -------
 
 def mlp_down(x, w_gate_up, w_down):
     """gate_up -> SiLU-and-mul -> down_proj, as the model's MLP runs it."""
@@ -198,37 +198,37 @@ def act_shared(x, w_down):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_before_skinny_mm_fuses_into_it(dtype):
-    from compilelm.passes.fuse_act_skinny_mm import SiluMulSkinnyMMFusionPass
+def test_silu_mul_before_linear_fuses_into_it(dtype):
+    from compilelm.passes.fusion.fuse_act_linear import SiluMulLinearFusionPass
     shapes = [(3, 16), (48, 16), (16, 24)]  # x, gate_up weight (2 x 24 rows), down weight
-    gm, skinny_pass, fusion = skinny_mm_then(SiluMulSkinnyMMFusionPass(), mlp_down, shapes, dtype)
+    gm, skinny_pass, fusion = linear_then(SiluMulLinearFusionPass(), mlp_down, shapes, dtype)
     assert skinny_pass.matches == 2 and fusion.matches == 1
     t = targets(gm)
-    assert t.count(torch.ops.compilelm.silu_mul_skinny_mm.default) == 1 and t.count(skinny) == 1  # gate_up's stays
+    assert t.count(torch.ops.compilelm.silu_mul_linear.default) == 1 and t.count(skinny) == 1  # gate_up's stays
     assert aten.silu.default not in t and aten.mul.Tensor not in t
     gen = torch.Generator().manual_seed(0)
     args = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
     torch.testing.assert_close(gm(*args), mlp_down(*args), rtol=0, atol=0)
 
 
-def test_silu_mul_with_other_users_wide_k_and_graphs_without_skinny_mm_are_kept():
-    from compilelm.passes.fuse_act_skinny_mm import MAX_INTERMEDIATE, SiluMulSkinnyMMFusionPass
+def test_silu_mul_with_other_users_wide_k_and_graphs_without_linear_are_kept():
+    from compilelm.passes.fusion.fuse_act_linear import MAX_INTERMEDIATE, SiluMulLinearFusionPass
     shared = trace_decomposed(act_shared, [(3, 32), (8, 16)], torch.float32)
-    SkinnyMMPass()(shared.graph)
-    fusion = SiluMulSkinnyMMFusionPass()
+    RouteLinearPass()(shared.graph)
+    fusion = SiluMulLinearFusionPass()
     fusion(shared.graph)
     assert fusion.matches == 0 and skinny in targets(shared)
     k = MAX_INTERMEDIATE + 8  # too wide for down_proj: the activation joins gate_up_proj instead
     wide = trace_decomposed(mlp_down, [(1, 16), (2 * k, 16), (16, k)], torch.float32)
-    SkinnyMMPass()(wide.graph)
-    fusion = SiluMulSkinnyMMFusionPass()
+    RouteLinearPass()(wide.graph)
+    fusion = SiluMulLinearFusionPass()
     fusion(wide.graph)
     t = targets(wide)
-    assert fusion.matches == 1 and torch.ops.compilelm.silu_mul_skinny_mm.default not in t
-    assert t.count(torch.ops.compilelm.skinny_mm_silu_mul.default) == 1 and t.count(skinny) == 1  # down's stays
+    assert fusion.matches == 1 and torch.ops.compilelm.silu_mul_linear.default not in t
+    assert t.count(torch.ops.compilelm.gate_up_silu_mul.default) == 1 and t.count(skinny) == 1  # down's stays
     assert aten.silu.default not in t and aten.mul.Tensor not in t
-    plain = trace_decomposed(act_shared, [(3, 32), (8, 16)], torch.float32)  # no skinny_mm in it
-    fusion = SiluMulSkinnyMMFusionPass()
+    plain = trace_decomposed(act_shared, [(3, 32), (8, 16)], torch.float32)  # no linear in it
+    fusion = SiluMulLinearFusionPass()
     fusion(plain.graph)
     assert fusion.matches == 0 and fusion._patterns is None  # not even registered
 
@@ -248,46 +248,46 @@ def gate_up_shared(x, w_gate_up):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_after_wide_gate_up_fuses_into_it(dtype):
-    from compilelm.passes.fuse_act_skinny_mm import MAX_INTERMEDIATE, SiluMulSkinnyMMFusionPass
+    from compilelm.passes.fusion.fuse_act_linear import MAX_INTERMEDIATE, SiluMulLinearFusionPass
     i = MAX_INTERMEDIATE + 8
     shapes = [(3, 16), (2 * i, 16), (16, i)]
-    gm, skinny_pass, fusion = skinny_mm_then(SiluMulSkinnyMMFusionPass(), mlp_down, shapes, dtype)
+    gm, skinny_pass, fusion = linear_then(SiluMulLinearFusionPass(), mlp_down, shapes, dtype)
     assert skinny_pass.matches == 2 and fusion.matches == 1
-    assert targets(gm).count(torch.ops.compilelm.skinny_mm_silu_mul.default) == 1
+    assert targets(gm).count(torch.ops.compilelm.gate_up_silu_mul.default) == 1
     gen = torch.Generator().manual_seed(0)
     args = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
     torch.testing.assert_close(gm(*args), mlp_down(*args), rtol=0, atol=0)
     shared = trace_decomposed(gate_up_shared, [(3, 16), (2 * i, 16)], torch.float32)
-    SkinnyMMPass()(shared.graph)
-    fusion = SiluMulSkinnyMMFusionPass()
+    RouteLinearPass()(shared.graph)
+    fusion = SiluMulLinearFusionPass()
     fusion(shared.graph)
     assert fusion.matches == 0 and skinny in targets(shared)
     narrow = trace_decomposed(gate_up_act, [(3, 16), (64, 16)], torch.float32)  # I = 32: down_proj's side
-    SkinnyMMPass()(narrow.graph)
-    fusion = SiluMulSkinnyMMFusionPass()
+    RouteLinearPass()(narrow.graph)
+    fusion = SiluMulLinearFusionPass()
     fusion(narrow.graph)
     assert fusion.matches == 0 and skinny in targets(narrow)
 
 
-def test_skinny_mm_silu_mul_op_cpu_and_opcheck():
+def test_gate_up_silu_mul_op_cpu_and_opcheck():
     from compilelm.layers.activation import SiluAndMul
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 40, generator=gen, dtype=torch.bfloat16), torch.randn(14, 40, generator=gen, dtype=torch.bfloat16)
     ops = torch.ops.compilelm
-    torch.testing.assert_close(ops.skinny_mm_silu_mul(x, w), SiluAndMul()(x @ w.t()), rtol=0, atol=0)
-    opcheck(ops.skinny_mm_silu_mul.default, (x, w))
+    torch.testing.assert_close(ops.gate_up_silu_mul(x, w), SiluAndMul()(x @ w.t()), rtol=0, atol=0)
+    opcheck(ops.gate_up_silu_mul.default, (x, w))
     with pytest.raises(RuntimeError, match="gate | up"):
         with FakeTensorMode():
-            ops.skinny_mm_silu_mul(torch.empty(3, 40), torch.empty(7, 40))
+            ops.gate_up_silu_mul(torch.empty(3, 40), torch.empty(7, 40))
 
 
-def test_silu_mul_skinny_mm_op_cpu_and_opcheck():
+def test_silu_mul_linear_op_cpu_and_opcheck():
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(2, 80, generator=gen, dtype=torch.bfloat16), torch.randn(7, 40, generator=gen, dtype=torch.bfloat16)
     ops = torch.ops.compilelm
     want = (torch.nn.functional.silu(x[:, :40]) * x[:, 40:]) @ w.t()
-    torch.testing.assert_close(ops.silu_mul_skinny_mm(x, w), want, rtol=0, atol=0)
-    opcheck(ops.silu_mul_skinny_mm.default, (x, w))
+    torch.testing.assert_close(ops.silu_mul_linear(x, w), want, rtol=0, atol=0)
+    opcheck(ops.silu_mul_linear.default, (x, w))
     with pytest.raises(RuntimeError, match="gate | up"):
         with FakeTensorMode():
-            ops.silu_mul_skinny_mm(torch.empty(3, 40), torch.empty(7, 40))
+            ops.silu_mul_linear(torch.empty(3, 40), torch.empty(7, 40))

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from compilelm.distributed import communication_op as comm  # registers the ops
-from compilelm.layers.layernorm import rms_norm
+from compilelm.ops import collectives
+from compilelm.ops.norm import rms_norm
 from compilelm.passes.base import FusionPass
 
 ops = torch.ops.compilelm
@@ -46,12 +46,11 @@ class AllReduceRMSNormFusionPass(FusionPass):
     stage = "whole_graph"
 
     def register(self):
-        with comm.tracing_patterns():  # the examples are traced on one rank: no collective
+        with collectives.tracing_patterns():  # the examples are traced on one rank: no collective
             for dtype in (torch.float32, torch.bfloat16, torch.float16):
                 x, w = torch.empty(4, 16, dtype=dtype), torch.empty(16, dtype=dtype)
                 self.replace(pattern_allreduce_add_rms_norm, replace_allreduce_add_rms_norm, [x, x.clone(), w],
                              scalar_workaround=EPS)
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        if any(n.op == "call_function" and n.target == ops.all_reduce.default for n in graph.nodes):
-            super().__call__(graph)
+    def applies_to(self, graph: torch.fx.Graph) -> bool:
+        return bool(graph.find_nodes(op="call_function", target=ops.all_reduce.default))

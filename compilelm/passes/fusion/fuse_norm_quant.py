@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from compilelm.layers.layernorm import rms_norm
-from compilelm.ops import quant as _quant_ops  # noqa: F401  (registers the ops the patterns use)
+from compilelm.ops.norm import rms_norm
 from compilelm.passes.base import FusionPass
 
 ops = torch.ops.compilelm
@@ -37,9 +36,8 @@ class Fp8FusionPass(FusionPass):
     """A fusion into fp8 quant ops: a graph without any (an unquantized model) is skipped, so it
     gets no match record and no dump."""
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        if has_fp8_quant(graph):
-            super().__call__(graph)
+    def applies_to(self, graph: torch.fx.Graph) -> bool:
+        return has_fp8_quant(graph)
 
 
 def pattern_fused_add_rms_norm_quant_per_token(x, residual, weight, eps):

@@ -26,7 +26,7 @@ made an H100 host's warm start 0.4-0.9 s slower (benchmarks/results/lazy_instant
 while a workload replays the few sizes its mixed batches pad to. The first step at a size pays for
 its pieces once (~3 ms for 31); the device memory an instantiated graph takes
 (memory.PIECE_GRAPH_BYTES) is kept free by the worker's reserve either way. Full decode graphs
-(cuda_graphs.py) are instantiated at capture: every decode step of their size replays one.
+(full.py) are instantiated at capture: every decode step of their size replays one.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from compilelm.distributed.parallel_state import get_tp_rank
 from compilelm.forward_context import ForwardContext, set_forward_context
-from compilelm.runtime.cuda_graphs import HostBatch, InputBuffers
+from compilelm.graphs.step_inputs import HostBatch, InputBuffers
 
 logger = logging.getLogger(__name__)
 

@@ -29,10 +29,8 @@ aten = torch.ops.aten
 
 
 class UnfuseResidualAddmmPass(CompilePass):
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        # (graphs without a residual addmm, e.g. every CPU graph, are not even recorded)
-        if any(_full_residual(n.args[0], n) for n in graph.find_nodes(op="call_function", target=aten.addmm.default)):
-            super().__call__(graph)
+    def applies_to(self, graph: torch.fx.Graph) -> bool:  # (not on CPU graphs)
+        return any(_full_residual(n.args[0], n) for n in graph.find_nodes(op="call_function", target=aten.addmm.default))
 
     def run(self, graph: torch.fx.Graph) -> int:
         count = 0

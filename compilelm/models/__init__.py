@@ -1,0 +1,1 @@
+"""Model definitions (plain, like nano-vllm's), their configs, weight loaders and tokenizers."""
