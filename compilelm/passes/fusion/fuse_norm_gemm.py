@@ -19,17 +19,12 @@ and with `compilelm.qkv_rope(normed, w_qkv, positions, cos_sin_cache, num_heads)
 num_heads)`, which writes the next attention layer's cache as qkv_rope does. The first layer's norm
 (after the embedding) and the final one (before the LM head) have no GEMM before them and stay.
 
-A walk over the consumers, not a pattern: qkv_rope's head count is an int argument, which
-Inductor's pattern matcher would take as a constant. Only norms whose every node feeds nothing
-else, and products that feed nothing but the add, match.
-
-On an H100, Llama-3.1-8B dummy bf16 at mean context 1024, this pass (and the fold) on vs off, one
-engine per process (benchmarks/results/decode_session23_gpu.log): batch 64 8.809 -> 8.756 ms a step
-(decode graph 8.855 -> 8.802; 227 -> 164 kernels, ~262.5 us a layer); batch 1 5.823 -> 5.812 (there
-the op runs the kernels the graph ran). An 8-layer chain of the kernels alone had promised 4-7 us a
-layer: its Inductor norm kernels were slower than the engine's. The greedy tokens of that random
-model differ from the unfused engine's after the third (its logits are nearly tied; the rounding
-moves, see compilelm/ops/norm_gemm.py); `passes.fuse_norm_gemm=False` keeps the unfused roundings.
+Two graph patterns (Inductor's pattern matcher), one per consumer: the weightless norm is
+spelled out node by node (`_weightless_rms_norm`); qkv_rope's head count is captured
+(`KeywordArg`), not traced in. Only norms whose every node feeds nothing else, and products that
+feed nothing but the add, match. The rewrite changes the roundings a little: see
+compilelm/ops/norm_gemm.py and docs/perf.md ("Fusion passes"); `passes.fuse_norm_gemm=False`
+keeps the unfused ones.
 
 Load time: the fused ops' fast path scales a GEMM's accumulators by the norm's per-row rstd, which
 leaves no place for the norm's weight g. So `prepare_model` folds it into the projection after
@@ -50,13 +45,14 @@ from __future__ import annotations
 import operator
 
 import torch
-
 from torch import nn
+from torch._inductor import pattern_matcher as pm
+from torch._inductor.pattern_matcher import MULTIPLE, CallFunction, KeywordArg, Match
 
 from compilelm.distributed.parallel_state import get_tp_size
 from compilelm.ops import norm_gemm
 from compilelm.ops.gemm import MAX_INTERMEDIATE
-from compilelm.passes.base import CompilePass
+from compilelm.passes.base import FusionPass
 
 ops = torch.ops.compilelm
 aten = torch.ops.aten
@@ -65,9 +61,37 @@ FUSED = {ops.gate_up_silu_mul.default: ops.linear_add_rms_norm_gate_up_silu_mul.
          ops.qkv_rope.default: ops.linear_add_rms_norm_qkv_rope.default}
 
 
-class NormGemmFusionPass(CompilePass):
+
+
+def _weightless_rms_norm(h: pm.PatternExpr) -> pm.PatternExpr:
+    """convert(convert(h, f32) * rsqrt(mean(pow(., 2), dims, True) + eps), dtype): rms_norm(h, None)."""
+    hf = CallFunction(prims.convert_element_type.default, h, torch.float32, _users=2)
+    var = CallFunction(aten.mean.dim, CallFunction(aten.pow.Tensor_Scalar, hf, 2), KeywordArg("dims"), True)
+    rstd = CallFunction(aten.rsqrt.default, CallFunction([aten.add.Tensor, aten.add.Scalar], var, KeywordArg("eps")))
+    return CallFunction(prims.convert_element_type.default, CallFunction(aten.mul.Tensor, hf, rstd),
+                        KeywordArg("dtype"))
+
+
+# h = linear(x, w) + residual, used on by the next layer (the residual stream), normed for the consumer
+_h = CallFunction(aten.add.Tensor, CallFunction(ops.linear.default, KeywordArg("x"), KeywordArg("w")),
+                  KeywordArg("residual"), _users=MULTIPLE)
+_normed = _weightless_rms_norm(_h)
+PATTERNS = [  # (consumer of the normed h, the fused op)
+    (CallFunction(ops.gate_up_silu_mul.default, _normed, KeywordArg("w2")),
+     ops.linear_add_rms_norm_gate_up_silu_mul.default),
+    (CallFunction(ops.qkv_rope.default, _normed, KeywordArg("w2"), KeywordArg("positions"), KeywordArg("cos_sin_cache"),
+                  KeywordArg("num_heads")), ops.linear_add_rms_norm_qkv_rope.default),
+]
+FUSED = {pattern.fns[0]: fused for pattern, fused in PATTERNS}  # consumer op -> the fused op
+
+
+class NormGemmFusionPass(FusionPass):
     def applies_to(self, graph: torch.fx.Graph) -> bool:
         return any(graph.find_nodes(op="call_function", target=t) for t in FUSED)
+
+    def register(self) -> None:
+        for pattern, fused in PATTERNS:
+            pm.register_graph_pattern(pattern, extra_check=_same_dtype_last_dim, pass_dict=self.patterns)(_rewrite)
 
     def prepare_model(self, model: nn.Module) -> str | None:
         layers = self.takes_layers(model)
@@ -91,64 +115,22 @@ class NormGemmFusionPass(CompilePass):
             return []
         return layers if shapes_fit(layers[0]) else []
 
-    def run(self, graph: torch.fx.Graph) -> int:
-        consumers = [n for t in FUSED for n in graph.find_nodes(op="call_function", target=t)]
-        return sum(_fuse(graph, node) for node in consumers)
 
 
-def _only_user(node, user) -> bool:
-    return isinstance(node, torch.fx.Node) and list(node.users) == [user]
+def _same_dtype_last_dim(match: Match) -> bool:
+    """The norm is over the last dim, in fp32, rounded back to h's dtype, with a float eps."""
+    h = next(n for n in match.nodes if n.target is aten.add.Tensor)
+    return (list(match.kwargs["dims"]) in ([-1], [1]) and isinstance(match.kwargs["eps"], float)
+            and match.kwargs["dtype"] == h.meta["val"].dtype)
 
 
-def _weightless_norm(x: torch.fx.Node):
-    """(h, eps, the norm's nodes) if x = convert(convert(h, f32) * rsqrt(mean(pow(., 2), [-1], True)
-    + eps), h's dtype), else None."""
-    if x.target != prims.convert_element_type.default or len(x.users) != 1:
-        return None
-    mul = x.args[0]
-    if not (_only_user(mul, x) and mul.target == aten.mul.Tensor and len(mul.args) == 2):
-        return None
-    hf, rsqrt = mul.args
-    if not (_only_user(rsqrt, mul) and rsqrt.target == aten.rsqrt.default):
-        return None
-    add = rsqrt.args[0]
-    if not (_only_user(add, rsqrt) and add.target in (aten.add.Tensor, aten.add.Scalar)
-            and isinstance(add.args[1], float)):
-        return None
-    mean = add.args[0]
-    if not (_only_user(mean, add) and mean.target == aten.mean.dim and list(mean.args[1]) in ([-1], [1])
-            and (mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim"))):
-        return None
-    square = mean.args[0]
-    if not (_only_user(square, mean) and square.target == aten.pow.Tensor_Scalar and square.args == (hf, 2)):
-        return None
-    if not (isinstance(hf, torch.fx.Node) and hf.target == prims.convert_element_type.default
-            and hf.args[1] == torch.float32 and set(hf.users) == {square, mul}):
-        return None
-    h = hf.args[0]
-    h_val = h.meta.get("val") if isinstance(h, torch.fx.Node) else None
-    if not isinstance(h_val, torch.Tensor) or x.args[1] != h_val.dtype:
-        return None
-    return h, add.args[1], [x, mul, rsqrt, add, mean, square, hf]
-
-
-def _fuse(graph: torch.fx.Graph, consumer: torch.fx.Node) -> int:
-    """consumer(weightless_rms_norm(linear(x, w) + residual), ...) -> the fused op. 1 if rewritten."""
-    normed, *rest = consumer.args
-    if not isinstance(normed, torch.fx.Node) or consumer.kwargs:
-        return 0
-    found = _weightless_norm(normed)
-    if found is None:
-        return 0
-    h, eps, norm_nodes = found
-    if h.target != aten.add.Tensor or len(h.args) != 2:
-        return 0
-    y, residual = h.args
-    if not (_only_user(y, h) and y.target == ops.linear.default) or not isinstance(residual, torch.fx.Node):
-        return 0
-    x, w = y.args
+def _rewrite(match: Match, x, w, residual, eps, w2, **rest) -> None:
+    """consumer(rms_norm(linear(x, w) + residual, None), w2, ...) -> the fused op's (out, h)."""
+    consumer = match.output_node()
+    graph = consumer.graph
+    h = next(n for n in match.nodes if n.target is aten.add.Tensor)
     with graph.inserting_before(h):  # the add's place: every input is defined, every user of h comes after
-        fused = graph.call_function(FUSED[consumer.target], (x, w, residual, eps, *rest))
+        fused = graph.call_function(FUSED[consumer.target], (x, w, residual, eps, *consumer.args[1:]))
         out = graph.call_function(operator.getitem, (fused, 0))
         new_h = graph.call_function(operator.getitem, (fused, 1))
     # only the values: other metadata (Inductor's eager_input_vals) describes the old ops' arguments
@@ -156,9 +138,7 @@ def _fuse(graph: torch.fx.Graph, consumer: torch.fx.Node) -> int:
     out.meta, new_h.meta = {"val": consumer.meta["val"]}, {"val": h.meta["val"]}
     consumer.replace_all_uses_with(out)
     h.replace_all_uses_with(new_h)
-    for node in (consumer, *norm_nodes, h, y):
-        graph.erase_node(node)
-    return 1
+    match.erase_nodes()
 
 
 def shapes_fit(layer: nn.Module) -> bool:

@@ -8,28 +8,26 @@ a head and write the rotated query, and the key and value rows to their cache sl
 (csrc/cuda/skinny_mm.cu, kRope); at 3-64 rows on an H100 the Hopper GEMM does the same in its
 epilogue (compilelm/ops/hopper_gemm.py, hopper_mm_rope_out). One kernel per layer fewer, and
 decode attention, launched next, starts while the projection runs. For more rows the op runs
-the projection, then rope_and_cache, as the graph before. On an H100: SmolLM2-135M batch 1
-(context 1024) decode graph 0.591-0.599 -> 0.566-0.571 ms (benchmarks/results/
-qkv_rope_fusion_ab_gpu.log). Llama-3.1-8B (benchmarks/results/qkv_rope_hopper_gpu.log, this pass
-on vs off, where off puts RoPE into the decode attention kernel): batch 64 9.02-9.03 -> 8.91-9.00
-ms a step, batch 1 5.78-5.80 -> 5.86-5.90 ms (the kRope projection then attention is slower than
-the plain projection then attention with RoPE inside at one row; the batch-64 target is the one
-still missed, so the pass stays on for every width).
+the projection, then rope_and_cache, as the graph before (docs/perf.md, "Fusion passes").
 
-    before (one layer, bf16)                               after
-    f = compilelm.fused_add_rms_norm_linear(            f = compilelm.fused_add_rms_norm_qkv_rope(
-            x, residual, norm_w, eps, w_qkv)                       x, residual, norm_w, eps, w_qkv,
-    qkv, residual_out = f[0], f[1]                 ==>             positions, cos_sin_cache, 9)
-    split = aten.split_with_sizes(qkv, [576, 192, 192], -1)  rotated, residual_out = f[0], f[1]
+    before (one layer, bf16)                                after
+    f = compilelm.fused_add_rms_norm_linear(                f = compilelm.fused_add_rms_norm_qkv_rope(
+            x, residual, norm_w, eps, w_qkv)                        x, residual, norm_w, eps, w_qkv,
+    qkv, residual_out = f[0], f[1]                   ==>            positions, cos_sin_cache, 9)
+    split = aten.split_with_sizes(qkv, [576, 192, 192], -1) rotated, residual_out = f[0], f[1]
     rotated = compilelm.rope_cache(split[0], split[1], split[2],
             positions, cos_sin_cache, 64)
 
 the first layer's `rms_norm_linear` -> `compilelm.rms_norm_qkv_rope`, and a plain
 `linear(x, w_qkv)` (a model too wide for the norm to fuse: Llama-3.1-8B) ->
 `compilelm.qkv_rope(x, w_qkv, positions, cos_sin_cache, num_heads)`. No such op names its layer:
-they write the cache of the next attention layer (ForwardContext.next_kv_cache), so every layer's
-piece stays the same code, compiled once. The rewrite is a walk over the rope_cache
-nodes rather than a pattern: the split sizes (the head counts) vary from model to model.
+they write the cache of the next attention layer (compilelm/forward_context.py), so every
+layer's piece stays the same code, compiled once.
+
+Three graph patterns (Inductor's pattern matcher), one per projection op; the split sizes and the
+head dimension are captured (`KeywordArg`), not traced in, since they vary from model to model,
+and `_head_split` checks them. The handler rewrites by hand: the fused op has a second output
+(the residual) that other nodes use.
 """
 
 from __future__ import annotations
@@ -37,73 +35,85 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch._inductor import pattern_matcher as pm
+from torch._inductor.pattern_matcher import MULTIPLE, CallFunction, KeywordArg, Match
 
-from compilelm.passes.fusion import fuse_rope_attention  # noqa: F401  (rope_cache's stand-in, which ours calls)
-from compilelm.passes.base import CompilePass
+from compilelm.passes.base import FusionPass
 from compilelm.passes.debug.verify import STAND_INS
+from compilelm.passes.fusion import fuse_rope_attention  # noqa: F401  (rope_cache's stand-in, which ours calls)
 
 ops = torch.ops.compilelm
 aten = torch.ops.aten
-FUSED = {ops.linear.default: ops.qkv_rope.default,  # projection op -> the op with RoPE
-         ops.rms_norm_linear.default: ops.rms_norm_qkv_rope.default,
-         ops.fused_add_rms_norm_linear.default: ops.fused_add_rms_norm_qkv_rope.default}
 
 
-class QKVRopeFusionPass(CompilePass):
+def _rope_cache_of(qkv: pm.PatternExpr) -> pm.PatternExpr:
+    """rope_cache(q, k, v, positions, cos_sin_cache, head_dim) of q, k, v = split_with_sizes(qkv, sizes, dim)."""
+    split = CallFunction(aten.split_with_sizes.default, qkv, KeywordArg("sizes"), KeywordArg("dim"), _users=3)
+    q, k, v = (CallFunction(operator.getitem, split, i) for i in range(3))
+    return CallFunction(ops.rope_cache.default, q, k, v, KeywordArg("positions"), KeywordArg("cos_sin_cache"),
+                        KeywordArg("head_dim"))
+
+
+_x, _w, _norm_w, _eps, _residual = (KeywordArg(n) for n in ("x", "w", "norm_w", "eps", "residual"))
+_add_norm_linear = CallFunction(ops.fused_add_rms_norm_linear.default, _x, _residual, _norm_w, _eps, _w, _users=MULTIPLE)
+# (projection pattern, the fused op, the projection's arguments in the fused op's order)
+PATTERNS = [
+    (CallFunction(ops.linear.default, _x, _w), ops.qkv_rope.default, ("x", "w")),
+    (CallFunction(ops.rms_norm_linear.default, _x, _norm_w, _eps, _w), ops.rms_norm_qkv_rope.default,
+     ("x", "norm_w", "eps", "w")),
+    (CallFunction(operator.getitem, _add_norm_linear, 0), ops.fused_add_rms_norm_qkv_rope.default,
+     ("x", "residual", "norm_w", "eps", "w")),
+]
+
+
+PROJECTIONS = (ops.linear.default, ops.rms_norm_linear.default, ops.fused_add_rms_norm_linear.default)
+
+
+class QKVRopeFusionPass(FusionPass):
     def applies_to(self, graph: torch.fx.Graph) -> bool:
         return bool(graph.find_nodes(op="call_function", target=ops.rope_cache.default))
 
-    def run(self, graph: torch.fx.Graph) -> int:
-        return sum(_fuse(graph, node) for node in list(graph.find_nodes(op="call_function",
-                                                                         target=ops.rope_cache.default)))
+    def register(self) -> None:
+        for projection, fused, names in PATTERNS:
+            pm.register_graph_pattern(_rope_cache_of(projection), extra_check=_head_split,
+                                      pass_dict=self.patterns)(_rewrite(fused, names))
 
 
-def _fuse(graph: torch.fx.Graph, rope_cache: torch.fx.Node) -> int:
-    """rope_cache(q, k, v, ...) of split_with_sizes(projection) -> the fused op. 1 if rewritten."""
-    q, k, v, positions, cos_sin_cache, head_dim = rope_cache.args
-    parts = (q, k, v)
-    if not all(isinstance(p, torch.fx.Node) and p.target is operator.getitem and len(p.users) == 1 for p in parts):
-        return 0
-    split = q.args[0]
-    if split.target != aten.split_with_sizes.default or [p.args for p in parts] != [(split, i) for i in range(3)]:
-        return 0
-    y, sizes, *dim = split.args
-    if len(split.users) != 3 or dim not in ([-1], [1]) or len(y.users) != 1 or not isinstance(head_dim, int):
-        return 0
-    if y.target in FUSED:  # linear, rms_norm_linear: y is the projection
-        proj, residual_out = y, None
-    elif y.target is operator.getitem and y.args[1] == 0 and y.args[0].target in FUSED:
-        proj = y.args[0]  # fused_add_rms_norm_linear: y = proj[0], proj[1] = residual_out
-        outs = {u.args[1]: u for u in proj.users}
-        if set(outs) - {0, 1}:
-            return 0
-        residual_out = outs.get(1)
-    else:
-        return 0
-    if sizes[0] % head_dim or sizes[1] != sizes[2]:
-        return 0
-    target = FUSED[proj.target]
-    with graph.inserting_after(proj):  # where the projection was: before every user of its residual
-        fused = graph.call_function(target, (*proj.args, positions, cos_sin_cache, sizes[0] // head_dim))
-    # only the values: other metadata (Inductor's eager_input_vals) describes the old ops' arguments
-    if proj is y:
-        fused.meta = {"val": rope_cache.meta["val"]}
-        rotated = fused
-    else:
-        fused.meta = {"val": (rope_cache.meta["val"], proj.meta["val"][1])}
-        with graph.inserting_after(fused):
-            rotated = graph.call_function(operator.getitem, (fused, 0))
-        rotated.meta = {"val": rope_cache.meta["val"]}
-        if residual_out is not None:
-            with graph.inserting_after(rotated):
-                new_residual = graph.call_function(operator.getitem, (fused, 1))
-            new_residual.meta = {"val": residual_out.meta["val"]}
-            residual_out.replace_all_uses_with(new_residual)
-    rope_cache.replace_all_uses_with(rotated)
-    for node in (rope_cache, *parts, split, y, *([] if proj is y else [residual_out, proj])):
-        if node is not None:
-            graph.erase_node(node)
-    return 1
+def _head_split(match: Match) -> bool:
+    """q | k | v split along the last dim into whole query heads and two equal K / V parts."""
+    sizes, dim, head_dim = (match.kwargs[k] for k in ("sizes", "dim", "head_dim"))
+    return (isinstance(head_dim, int) and dim in (-1, 1) and len(sizes) == 3 and all(isinstance(n, int) for n in sizes)
+            and sizes[0] % head_dim == 0 and sizes[1] == sizes[2])
+
+
+def _rewrite(fused_op, names: tuple[str, ...]):
+    """The handler of one pattern: rope_cache(split(projection)) -> fused_op(projection's args, ...)."""
+
+    def handler(match: Match, **kw) -> None:
+        rope_cache = match.output_node()
+        graph = rope_cache.graph
+        proj = next(n for n in match.nodes if n.target in PROJECTIONS)
+        args = (*(kw[n] for n in names), kw["positions"], kw["cos_sin_cache"], kw["sizes"][0] // kw["head_dim"])
+        with graph.inserting_after(proj):  # where the projection was: before every user of its residual
+            fused = graph.call_function(fused_op, args)
+        # only the values: other metadata (Inductor's eager_input_vals) describes the old ops' arguments
+        if proj.target is not ops.fused_add_rms_norm_linear.default:
+            fused.meta, rotated = {"val": rope_cache.meta["val"]}, fused
+        else:  # proj[0] fed the split; proj[1], the residual, now comes from the fused op
+            fused.meta = {"val": (rope_cache.meta["val"], proj.meta["val"][1])}
+            with graph.inserting_after(fused):
+                rotated = graph.call_function(operator.getitem, (fused, 0))
+            rotated.meta = {"val": rope_cache.meta["val"]}
+            for old in [u for u in proj.users if u.args[1] == 1]:
+                with graph.inserting_after(rotated):
+                    residual = graph.call_function(operator.getitem, (fused, 1))
+                residual.meta = {"val": old.meta["val"]}
+                old.replace_all_uses_with(residual)
+                graph.erase_node(old)
+        rope_cache.replace_all_uses_with(rotated)
+        match.erase_nodes()
+
+    return handler
 
 
 def _stand_in(x, *args):
