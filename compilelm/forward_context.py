@@ -3,6 +3,21 @@
 The model signature stays `forward(input_ids, positions)` so that Dynamo traces one graph for
 every batch; everything that changes per step and is only needed by attention (slot mapping,
 block tables, sequence lengths, the KV-cache tensors) travels here instead.
+
+The next layer's KV cache (the one place this protocol is written down). The attention ops the
+graph is split at name their layer (`unified_attention*(..., layer_name)`) and read
+`kv_caches[layer_name]`. Some fused ops run *inside* the compiled pieces and write the KV cache
+too (rope_cache, qkv_rope and its norm variants, linear_add_rms_norm_qkv_rope: RoPE + the cache
+write moved into the piece before attention). They name no layer: a layer name in a piece would
+make every layer's piece distinct, one Inductor compile each instead of one for all. Instead:
+
+- every attention op calls `attention_done(layer_name)` when it runs;
+- an op inside a piece writes `next_kv_cache()`: the cache of the layer after the last attention
+  op that ran (the first layer's before any has run). The piece before layer i's attention op
+  runs after layer i-1's attention op, so that is layer i's cache;
+- `kv_caches` is in layer order (the model's `attention_layer_names()`), and a forward runs the
+  layers in order, eagerly, compiled or replayed from CUDA graphs (a graph replay runs the
+  attention ops eagerly between pieces, or captured in order in a full graph).
 """
 
 from __future__ import annotations
@@ -27,9 +42,7 @@ class AttentionMetadata:
 class ForwardContext:
     attn_metadata: AttentionMetadata | None
     kv_caches: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # in layer order
-    # The layer of the last attention op run in this forward. Ops inside the compiled pieces carry
-    # no layer name (it would make every layer's piece distinct: one Inductor compile per layer);
-    # their cache write goes to the layer after this one (next_kv_cache).
+    # The layer of the last attention op run in this forward (see "The next layer's KV cache").
     last_attention: str | None = None
 
     def next_kv_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
