@@ -28,7 +28,7 @@ from compilelm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCo
                                                    CompletionRequest, CompletionResponse,
                                                    DetokenizeRequest, DetokenizeResponse,
                                                    ErrorResponse, ModelCard, ModelList,
-                                                   TokenizeChatRequest, TokenizeCompletionRequest,
+                                                   TokenizeChatRequest, TokenizeRequest,
                                                    TokenizeResponse, VersionResponse)
 from compilelm.entrypoints.openai.serving_chat import OpenAIServingChat
 from compilelm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -96,7 +96,7 @@ def build_app(state: ServerState, api_keys: list[str] | None = None, public_metr
         return resp if isinstance(resp, Response) else JSONResponse(resp.model_dump())
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
-    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest):
+    async def tokenize(body: TokenizeRequest):
         completion.check_model(body.model)
         tok = completion.engine.tokenizer
         if isinstance(body, TokenizeChatRequest):

@@ -3,6 +3,9 @@
 Clients branch on the status (openai-python retries 429 and 5xx, honouring Retry-After) and on
 `code` (`context_length_exceeded`), so bad input must be a 4xx with a precise body — never a
 422 from FastAPI's defaults, never a 500.
+
+Error bodies are ASCII JSON, so a message that quotes the client's input (a lone surrogate
+included) always renders.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("compilelm")
@@ -38,8 +41,9 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self) -> Response:
+        return Response(json.dumps(self.body()), status_code=self.status, headers=self.headers,
+                        media_type="application/json")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
@@ -71,6 +75,8 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     first, loc, more = _most_specific(errors)
     param = loc[0] if loc else None  # the top-level field
     msg = first.get("msg", "invalid value")
+    if first.get("type") == "string_unicode":
+        msg = "not valid Unicode text (a lone surrogate escape such as \\ud800)"
     where = f"{'.'.join(loc)}: " if loc else "request body: "
     more = f" (and {more} more error{'s' if more > 1 else ''})" if more else ""
     return bad_request(f"{where}{msg}{more}", param=param)
@@ -83,7 +89,7 @@ def _most_specific(errors: list[dict]) -> tuple[dict, list[str], int]:
     report the one that got furthest (not a mismatch of the whole value's type, then the deepest)
     and leave the tag out of its location, so `"prompt": []` reads "prompt: List should have at
     least 1 item", not "prompt.constrained-str: Input should be a valid string"."""
-    locs = [[p for p in e.get("loc", ()) if p != "body"] for e in errors]
+    locs = [_body_loc(e) for e in errors]
     field = [i for i, loc in enumerate(locs) if loc[:1] == locs[0][:1]]
     depth = 0  # the length of the locations' common prefix
     while all(len(locs[i]) > depth and locs[i][depth] == locs[0][depth] for i in field):
@@ -94,6 +100,18 @@ def _most_specific(errors: list[dict]) -> tuple[dict, list[str], int]:
     best = max(field, key=lambda i: (not errors[i].get("type", "").endswith("_type"), len(locs[i]), -i))
     loc = locs[best][:depth] + locs[best][depth + 1:]
     return errors[best], [str(p) for p in loc], len(errors) - len(field)
+
+
+def _body_loc(error: dict) -> list:
+    """The error's location in the body. A body that is one of several request models
+    (`/tokenize`: the prompt or the chat form) puts the model's name first: left out (the API's
+    field names are all lower case)."""
+    loc = list(error.get("loc", ()))
+    if loc[:1] == ["body"]:
+        loc = loc[1:]
+    if loc and isinstance(loc[0], str) and loc[0][:1].isupper():
+        loc = loc[1:]
+    return loc
 
 
 def install_error_handlers(app: FastAPI) -> None:
