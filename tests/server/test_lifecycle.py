@@ -15,41 +15,11 @@ import httpx
 import openai
 import pytest
 
-from tests.server.utils import InProcessServer, RemoteServer, wait_healthy
+from tests.server.utils import DUMMY, RemoteServer, dummy_server, wait_healthy
 
 pytestmark = pytest.mark.slow
 
-DUMMY = "dummy:smollm2-135m"  # random weights of the default model's shape: no weights to load
 LONG = {"prompt": [5, 6, 7, 8], "max_tokens": 200, "ignore_eos": True, "stream": True}
-
-
-def _in_process(max_num_seqs: int, max_queue_len: int | None, step_delay: float = 0.0):
-    """A 2-layer dummy engine behind the real app; `step_delay` slows each step down."""
-    from compilelm.entrypoints.openai.api_server import build_app
-    from compilelm.entrypoints.openai.metrics import ServerMetrics
-    from compilelm.entrypoints.openai.serving_engine import ServerState
-    from compilelm.llm import make_engine_config
-    from compilelm.runtime.async_engine import AsyncLLMEngine
-    from compilelm.runtime.engine import LLMEngine
-
-    config = make_engine_config(DUMMY, model_overrides={"num_hidden_layers": 2}, max_model_len=256,
-                                num_kv_blocks=80, max_num_seqs=max_num_seqs, enforce_eager=True)
-
-    def factory():
-        engine = LLMEngine(config)
-        step = engine.step
-
-        def slow_step():
-            time.sleep(step_delay)
-            return step()
-
-        engine.step = slow_step
-        return engine
-
-    async_engine = AsyncLLMEngine(factory, max_queue_len=max_queue_len)
-    state = ServerState(async_engine, ["dummy"])
-    state.metrics = async_engine.metrics = ServerMetrics("dummy", lambda: async_engine.stats)
-    return InProcessServer(build_app(state), state)
 
 
 class _Events:
@@ -70,7 +40,7 @@ class _Events:
 
 
 def test_full_queue_gets_429_with_retry_after():
-    srv = _in_process(max_num_seqs=2, max_queue_len=1, step_delay=0.02)
+    srv = dummy_server(max_num_seqs=2, max_queue_len=1, step_delay=0.02)
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             with c.stream("POST", "/v1/completions", json=LONG) as a, \
@@ -100,7 +70,7 @@ def test_full_queue_gets_429_with_retry_after():
 
 
 def test_engine_death_fails_requests_and_health(caplog):
-    srv = _in_process(max_num_seqs=8, max_queue_len=None, step_delay=0.01)
+    srv = dummy_server(max_num_seqs=8, max_queue_len=None, step_delay=0.01)
     engine = srv.state.async_engine.engine
     boom = threading.Event()
     step = engine.step

@@ -15,6 +15,7 @@ import time
 import httpx
 
 API_KEY = "sk-compilelm-test"
+DUMMY = "dummy:smollm2-135m"  # random weights of the default model's shape: no weights to load
 
 
 def free_port() -> int:
@@ -40,9 +41,11 @@ def wait_healthy(url: str, timeout: float, alive=lambda: True, log=lambda: "", s
 
 
 class RemoteServer:
-    """`python -m compilelm.entrypoints.cli serve ARGS` on a free localhost port."""
+    """`python -m compilelm.entrypoints.cli serve ARGS` (or another `module` with the same
+    command line) on a free localhost port."""
 
-    def __init__(self, args: list[str], timeout: float = 180.0, wait: bool = True):
+    def __init__(self, args: list[str], timeout: float = 180.0, wait: bool = True,
+                 module: str = "compilelm.entrypoints.cli"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = f"{self.url}/v1"
@@ -50,7 +53,7 @@ class RemoteServer:
                                                 delete=False)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the suite shares 2 cores with the server
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "compilelm.entrypoints.cli", "serve", *args,
+            [sys.executable, "-m", module, "serve", *args,
              "--host", "127.0.0.1", "--port", str(self.port)],
             stdout=self._log, stderr=subprocess.STDOUT, env=env)
         if wait:
@@ -96,3 +99,37 @@ class InProcessServer:
         self.server.should_exit = True
         self.thread.join(10)
         self.state.async_engine.shutdown()
+
+
+def dummy_server(max_num_seqs: int, max_queue_len: int | None, step_delay: float = 0.0,
+                 optimization_level: int | None = None, **app_kwargs) -> InProcessServer:
+    """A 2-layer dummy engine behind the real app (`build_app(state, **app_kwargs)`), eager
+    unless `optimization_level` is given (then compiled and warmed up before it is ready);
+    `step_delay` slows each step down."""
+    from compilelm.entrypoints.openai.api_server import build_app
+    from compilelm.entrypoints.openai.metrics import ServerMetrics
+    from compilelm.entrypoints.openai.serving_engine import ServerState
+    from compilelm.llm import make_engine_config
+    from compilelm.runtime.async_engine import AsyncLLMEngine
+    from compilelm.runtime.engine import LLMEngine
+
+    config = make_engine_config(DUMMY, model_overrides={"num_hidden_layers": 2}, max_model_len=256,
+                                num_kv_blocks=80, max_num_seqs=max_num_seqs,
+                                enforce_eager=optimization_level is None,
+                                optimization_level=optimization_level)
+
+    def factory():
+        engine = LLMEngine(config)
+        step = engine.step
+
+        def slow_step():
+            time.sleep(step_delay)
+            return step()
+
+        engine.step = slow_step
+        return engine
+
+    async_engine = AsyncLLMEngine(factory, max_queue_len=max_queue_len)
+    state = ServerState(async_engine, ["dummy"])
+    state.metrics = async_engine.metrics = ServerMetrics("dummy", lambda: async_engine.stats)
+    return InProcessServer(build_app(state, **app_kwargs), state)
