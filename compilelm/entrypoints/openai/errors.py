@@ -5,7 +5,9 @@ Clients branch on the status (openai-python retries 429 and 5xx, honouring Retry
 422 from FastAPI's defaults, never a 500.
 
 Error bodies are ASCII JSON, so a message that quotes the client's input (a lone surrogate
-included) always renders.
+included) always renders. An unexpected exception is a 500 on a connection that stays open:
+Starlette's handler for `Exception` re-raises after answering, and uvicorn then drops the
+keep-alive connection without `Connection: close`, losing the client's next request.
 """
 
 from __future__ import annotations
@@ -115,6 +117,8 @@ def _body_loc(error: dict) -> list:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    app.add_middleware(InternalErrorMiddleware)
+
     @app.exception_handler(OpenAIError)
     async def _openai(_: Request, exc: OpenAIError):
         return exc.response()
@@ -127,7 +131,37 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException):
         return OpenAIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        logger.exception("unhandled error serving %s %s", request.method, request.url.path)
-        return internal_error(f"internal server error: {type(exc).__name__}").response()
+
+class InternalErrorMiddleware:
+    """An exception no handler took: a 500 with an OpenAI body, and the connection kept (the
+    exception is logged here, not re-raised). A stream that already started gets an error event
+    and `data: [DONE]` instead; any other started response can only be cut (re-raised)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        sent: dict = {}  # "headers" once the response started, "done" once its body ended
+
+        async def tracking_send(message):
+            if message["type"] == "http.response.start":
+                sent["headers"] = dict(message.get("headers", ()))
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                sent["done"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:  # noqa: BLE001 - answered here; the server keeps serving
+            logger.exception("unhandled error serving %s %s", scope["method"], scope["path"])
+            err = internal_error(f"internal server error: {type(exc).__name__}")
+            if not sent:
+                return await err.response()(scope, receive, send)
+            if sent.get("done"):
+                return
+            if not sent["headers"].get(b"content-type", b"").startswith(b"text/event-stream"):
+                raise
+            await send({"type": "http.response.body", "more_body": False,
+                        "body": (sse_error_event(err) + "data: [DONE]\n\n").encode()})
