@@ -100,17 +100,24 @@ class AsyncLLMEngine:
         if not self.is_ready:
             raise EngineNotReadyError("the model is still loading")
         if self.max_queue_len is None or self._num_seqs_in_flight == 0:
-            return  # an idle engine always admits (a request with a large n must fit somewhere)
+            return  # an idle engine always admits (a request larger than capacity must fit somewhere)
         capacity = self.engine.config.scheduler.max_num_seqs + self.max_queue_len
+        if num_seqs > capacity:
+            raise QueueFullError(f"this request needs {num_seqs} sequences, more than the server "
+                                 f"holds (max_num_seqs + max_queue_len = {capacity}): it is "
+                                 f"admitted only when no other request is in flight")
         if self._num_seqs_in_flight + num_seqs > capacity:
             raise QueueFullError(f"the server is at capacity ({self._num_seqs_in_flight} sequences "
                                  f"in flight, max_num_seqs + max_queue_len = {capacity})")
 
-    def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams) -> RequestStream:
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 admitted: bool = False) -> RequestStream:
         """Admit a request now (raising QueueFullError, EngineDeadError, ...) and return the
-        stream of its cumulative RequestOutputs. Must be called on the event loop."""
-        self.check_admission(params.n)
+        stream of its cumulative RequestOutputs. Must be called on the event loop. `admitted`:
+        the caller has already passed `check_admission` for a whole that includes this request
+        (the prompts of one HTTP request), earlier in the same turn of the event loop."""
+        if not admitted:
+            self.check_admission(params.n)
         stream = RequestStream(self, request_id, params, asyncio.get_running_loop())
         with self._lock:
             if self.dead_error is not None:

@@ -63,7 +63,11 @@ class OpenAIServing:
                               code="model_not_found")
 
     def admit(self, num_seqs: int) -> None:
-        """Refuse early (before tokenizing) when the server cannot take the request."""
+        """Refuse early (before tokenizing) when the server cannot take the request: all its
+        sequences (prompts x n) are admitted or refused together, here once; its engine
+        requests are then started (`start`) without an await in between, so nothing else is
+        admitted meanwhile. A request larger than max_num_seqs + max_queue_len is admitted
+        when nothing else is in flight (429 until then)."""
         if num_seqs > _max_seqs():
             raise bad_request(f"this request asks for {num_seqs} sequences (prompts x n); the "
                               f"limit is {_max_seqs()}", param="n")
@@ -143,10 +147,10 @@ class OpenAIServing:
         return internal_error(f"internal server error: {type(e).__name__}")
 
     def start(self, request_id: str, token_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Admit and enqueue one engine request (429/503/500 are raised here, before any
-        response bytes are sent)."""
+        """Enqueue one engine request of a request that `admit` took (a dead engine's 500 is
+        raised here, before any response bytes are sent)."""
         try:
-            return self.state.async_engine.generate(request_id, token_ids, params)
+            return self.state.async_engine.generate(request_id, token_ids, params, admitted=True)
         except Exception as e:  # noqa: BLE001 - mapped to a status, never a crash
             raise self.map_error(e) from e
 
