@@ -24,6 +24,10 @@ from compilelm.sampling_params import SamplingParams
 
 logger = logging.getLogger("compilelm")
 
+# the engine's cumulative stats (LLMEngine.stats()); the rest are gauges
+_COUNTERS = ("num_preemptions", "prompt_tokens_total", "generation_tokens_total",
+             "prefix_cache_queries", "prefix_cache_hits")
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop raised; nothing more can be served by this process."""
@@ -55,7 +59,10 @@ class AsyncLLMEngine:
         self.engine = None  # the LLMEngine, once loaded
         self.load_error: BaseException | None = None
         self.dead_error: EngineDeadError | None = None
-        self.stats: dict = {}  # snapshot of engine.stats(), refreshed by the engine thread
+        # snapshot of engine.stats(), refreshed by the engine thread; its counters count from
+        # the moment the engine is ready (the start-up warm-up is not served work)
+        self.stats: dict = {}
+        self._counters_at_ready: dict = {}
         self._ready = threading.Event()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _streams and dead_error
@@ -153,6 +160,8 @@ class AsyncLLMEngine:
             self.engine, self.load_error = None, e
             self._ready.set()
             return
+        stats = self.engine.stats()
+        self._counters_at_ready = {k: stats[k] for k in _COUNTERS if k in stats}
         self._publish_stats()
         self._ready.set()
         engine = self.engine
@@ -252,7 +261,10 @@ class AsyncLLMEngine:
             _put(stream, dead)
 
     def _publish_stats(self) -> None:
-        self.stats = self.engine.stats()
+        stats = self.engine.stats()
+        for k, v in self._counters_at_ready.items():
+            stats[k] -= v
+        self.stats = stats
 
     def _finished(self, request_id: str, reason: str) -> None:
         if self.metrics is not None:
