@@ -110,10 +110,15 @@ def test_engine_death_fails_requests_and_health(caplog):
         srv.close()
 
 
-def _stream_to_end(url: str, body: dict, out: dict, key: str) -> None:
+def _stream_to_end(url: str, body: dict, out: dict, key: str, path: str = "/v1/completions",
+                   ) -> None:
+    """Reads a stream into `out[key]`, line by line as they come (an HTTP error replaces it)."""
+    lines = out.setdefault(key, [])
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-            out[key] = [line for line in r.iter_lines() if line]
+        with httpx.stream("POST", f"{url}{path}", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
     except httpx.HTTPError as e:
         out[key] = e
 
@@ -196,21 +201,43 @@ def _wait_in_flight(srv, n: int, timeout: float = 60) -> None:
 
 
 def test_sigterm_with_zero_timeout_aborts_and_exits_fast():
+    """--shutdown-timeout 0: in-flight streams end as vLLM ends aborted ones, each unfinished
+    choice with finish_reason "abort", then the usage chunk and [DONE] (no error event); the
+    process exits 0."""
     srv = RemoteServer([DUMMY, "--enforce-eager", "--max-model-len", "256", "--num-kv-blocks",
                         "64", "--shutdown-timeout", "0"])
     try:
+        usage = {"stream_options": {"include_usage": True}}
+        bodies = {"/v1/completions": ({**LONG, **usage}, 1),
+                  "/v1/chat/completions": ({"messages": [{"role": "user", "content": "hi"}], "n": 2,
+                                            "max_tokens": 200, "ignore_eos": True, "stream": True,
+                                            **usage}, 2)}
         results: dict = {}
-        t = threading.Thread(target=_stream_to_end,
-                             args=(srv.url, {**LONG, "max_tokens": 200}, results, "a"))
-        t.start()
-        _wait_in_flight(srv, 1)
+        threads = [threading.Thread(target=_stream_to_end, args=(srv.url, body, results, path, path))
+                   for path, (body, _) in bodies.items()]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while not all(len(results.get(path, ())) >= 3 for path in bodies):  # text is streaming
+            assert time.monotonic() < deadline, results
+            time.sleep(0.05)
         t0 = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(15) == 0, srv.log()
         assert time.monotonic() - t0 < 10
-        t.join(30)
-        lines = results["a"]
-        assert lines[-1] == "data: [DONE]"
-        assert "shutting down" in json.loads(lines[-2][6:])["error"]["message"]
+        for t in threads:
+            t.join(30)
+        for path, (_, n) in bodies.items():
+            lines = results[path]
+            assert lines[-1] == "data: [DONE]", lines[-3:]
+            events = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+            assert not any("error" in e for e in events), events[-3:]
+            finished = sorted((c["index"], c["finish_reason"]) for e in events
+                              for c in e["choices"] if c["finish_reason"])
+            assert finished == [(i, "abort") for i in range(n)], finished
+            assert events[-1]["choices"] == []
+            u = events[-1]["usage"]
+            assert u["completion_tokens"] >= n and u["prompt_tokens"] > 0
+            assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
     finally:
         srv.close()
