@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from tests.server.utils import API_KEY
+from tests.server.utils import API_KEY, DUMMY, RemoteServer
 
 pytestmark = pytest.mark.slow
 
@@ -155,9 +155,9 @@ def test_server_still_serves_after_bad_input(client, model_name):
 
 @pytest.mark.parametrize("path,method", [
     ("/v1/models", "GET"), ("/v1/completions", "POST"), ("/v1/chat/completions", "POST"),
-    ("/tokenize", "POST"), ("/detokenize", "POST"), ("/version", "GET"), ("/metrics", "GET"),
+    ("/tokenize", "POST"), ("/detokenize", "POST"), ("/version", "GET"),
     ("/openapi.json", "GET"), ("/docs", "GET"), ("/v1/unknown", "GET")])
-def test_auth_required_everywhere_but_health(server, path, method):
+def test_auth_required_everywhere_but_health_and_metrics(server, path, method):
     body = {"prompt": "hi", "max_tokens": 1} if method == "POST" else None
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
                     {"Authorization": f"Basic {API_KEY}"}, {"Authorization": f"Bearer {API_KEY}x"}):
@@ -168,6 +168,23 @@ def test_auth_required_everywhere_but_health(server, path, method):
     r = httpx.request(method, server.url + path, json=body, headers={"Host": "evil/health"})
     assert r.status_code == 401
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_metrics_are_open_by_default_and_guarded_on_request(server):
+    """vLLM's API key guards /v1/*, so a Prometheus scrape set up for vLLM sends no key:
+    /metrics is open unless --require-api-key-for-metrics."""
+    r = httpx.get(f"{server.url}/metrics")
+    assert r.status_code == 200 and "compilelm:num_requests_running" in r.text
+    guarded = RemoteServer([DUMMY, "--enforce-eager", "--max-model-len", "128", "--num-kv-blocks",
+                            "16", "--api-key", API_KEY, "--require-api-key-for-metrics"])
+    try:
+        r = httpx.get(f"{guarded.url}/metrics")
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = httpx.get(f"{guarded.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
+        assert r.status_code == 200 and "compilelm:num_requests_running" in r.text
+        assert httpx.get(f"{guarded.url}/health").status_code == 200
+    finally:
+        guarded.close()
 
 
 def test_openai_client_auth(server, model_name):

@@ -43,8 +43,10 @@ def _json_or_sse(model) -> dict:
     return {200: {"model": model, "content": {"text/event-stream": {}}}, **_ERRORS}
 
 
-def build_app(state: ServerState, api_keys: list[str] | None = None, public_metrics: bool = False,
+def build_app(state: ServerState, api_keys: list[str] | None = None, guard_metrics: bool = False,
               max_body_bytes: int = 8 * 2**20) -> FastAPI:
+    """With `api_keys`, every route needs one but /health and /metrics (as in vLLM, whose
+    Prometheus scrapes carry no key); `guard_metrics` puts /metrics behind the key too."""
     from compilelm import __version__
 
     app = FastAPI(title="compilelm OpenAI-compatible API", version=__version__)
@@ -119,7 +121,7 @@ def build_app(state: ServerState, api_keys: list[str] | None = None, public_metr
 
     wrapped = BodyLimitMiddleware(app, max_body_bytes)
     if api_keys:
-        public = frozenset({"/health"} | ({"/metrics"} if public_metrics else set()))
+        public = frozenset({"/health"} | (set() if guard_metrics else {"/metrics"}))
         wrapped = AuthMiddleware(wrapped, api_keys, public)
     return wrapped
 
