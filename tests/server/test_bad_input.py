@@ -155,7 +155,7 @@ def test_server_still_serves_after_bad_input(client, model_name):
 
 @pytest.mark.parametrize("path,method", [
     ("/v1/models", "GET"), ("/v1/completions", "POST"), ("/v1/chat/completions", "POST"),
-    ("/tokenize", "POST"), ("/detokenize", "POST"), ("/version", "GET"),
+    ("/tokenize", "POST"), ("/detokenize", "POST"), ("/tokenizer_info", "GET"), ("/version", "GET"),
     ("/openapi.json", "GET"), ("/docs", "GET"), ("/v1/unknown", "GET")])
 def test_auth_required_everywhere_but_health_and_metrics(server, path, method):
     body = {"prompt": "hi", "max_tokens": 1} if method == "POST" else None

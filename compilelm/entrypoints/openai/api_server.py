@@ -29,10 +29,12 @@ from compilelm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCo
                                                    DetokenizeRequest, DetokenizeResponse,
                                                    ErrorResponse, ModelCard, ModelList,
                                                    TokenizeChatRequest, TokenizeRequest,
-                                                   TokenizeResponse, VersionResponse)
+                                                   TokenizeResponse, TokenizerInfoResponse,
+                                                   VersionResponse)
 from compilelm.entrypoints.openai.serving_chat import OpenAIServingChat
 from compilelm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from compilelm.entrypoints.openai.serving_engine import ServerState
+from compilelm.entrypoints.openai.tokenizer_info import tokenizer_info
 
 logger = logging.getLogger("compilelm")
 
@@ -108,6 +110,10 @@ def build_app(state: ServerState, api_keys: list[str] | None = None, guard_metri
         strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=completion.engine.config.max_model_len,
                                 tokens=ids, token_strs=strs)
+
+    @app.get("/tokenizer_info", response_model=TokenizerInfoResponse, responses=_ERRORS)
+    async def get_tokenizer_info():
+        return JSONResponse(tokenizer_info(completion.engine.tokenizer))
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest):

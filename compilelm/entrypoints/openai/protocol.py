@@ -258,5 +258,12 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class TokenizerInfoResponse(BaseModel):
+    """The tokenizer's configuration (tokenizer_config.json's fields), as vLLM serves it."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
+
+
 class VersionResponse(BaseModel):
     version: str
