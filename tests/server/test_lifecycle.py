@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 
-from tests.server.utils import DUMMY, RemoteServer, dummy_server, wait_healthy
+from tests.server.utils import (DUMMY, RemoteServer, dummy_server, stream_to_end, wait_healthy,
+                                wait_in_flight)
 
 pytestmark = pytest.mark.slow
 
@@ -110,19 +111,6 @@ def test_engine_death_fails_requests_and_health(caplog):
         srv.close()
 
 
-def _stream_to_end(url: str, body: dict, out: dict, key: str, path: str = "/v1/completions",
-                   ) -> None:
-    """Reads a stream into `out[key]`, line by line as they come (an HTTP error replaces it)."""
-    lines = out.setdefault(key, [])
-    try:
-        with httpx.stream("POST", f"{url}{path}", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line:
-                    lines.append(line)
-    except httpx.HTTPError as e:
-        out[key] = e
-
-
 def test_health_503_while_loading_then_sigterm_drains_in_flight_requests():
     srv = RemoteServer([DUMMY, "--enforce-eager", "--max-model-len", "256", "--num-kv-blocks",
                         "64", "--shutdown-timeout", "60"], wait=False)
@@ -141,11 +129,11 @@ def test_health_503_while_loading_then_sigterm_drains_in_flight_requests():
         assert {s for s, _ in statuses} == {503, 200}
         body = {**LONG, "max_tokens": 24}
         results: dict = {}
-        threads = [threading.Thread(target=_stream_to_end, args=(srv.url, body, results, k))
+        threads = [threading.Thread(target=stream_to_end, args=(srv.url, body, results, k))
                    for k in ("a", "b")]
         for t in threads:
             t.start()
-        _wait_in_flight(srv, 2)
+        wait_in_flight(srv, 2)
         srv.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         assert httpx.get(f"{srv.url}/health").status_code == 503
@@ -180,26 +168,6 @@ def test_sigterm_while_loading_exits_at_once():
         srv.close()
 
 
-def _in_flight(srv) -> float:
-    """running + waiting requests, from /metrics (0 if unreachable)."""
-    try:
-        text = httpx.get(f"{srv.url}/metrics", timeout=5).text
-    except httpx.HTTPError:
-        return 0
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(("compilelm:num_requests_running", "compilelm:num_requests_waiting")):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def _wait_in_flight(srv, n: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while _in_flight(srv) < n:
-        assert time.monotonic() < deadline, "requests never reached the engine"
-        time.sleep(0.1)
-
-
 def test_sigterm_with_zero_timeout_aborts_and_exits_fast():
     """--shutdown-timeout 0: in-flight streams end as vLLM ends aborted ones, each unfinished
     choice with finish_reason "abort", then the usage chunk and [DONE] (no error event); the
@@ -213,7 +181,7 @@ def test_sigterm_with_zero_timeout_aborts_and_exits_fast():
                                             "max_tokens": 200, "ignore_eos": True, "stream": True,
                                             **usage}, 2)}
         results: dict = {}
-        threads = [threading.Thread(target=_stream_to_end, args=(srv.url, body, results, path, path))
+        threads = [threading.Thread(target=stream_to_end, args=(srv.url, body, results, path, path))
                    for path, (body, _) in bodies.items()]
         for t in threads:
             t.start()

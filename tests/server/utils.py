@@ -40,6 +40,40 @@ def wait_healthy(url: str, timeout: float, alive=lambda: True, log=lambda: "", s
     raise TimeoutError(f"/health never answered {status} in {timeout} s:\n{log()}")
 
 
+def in_flight(url: str) -> float:
+    """running + waiting requests, from /metrics (0 if unreachable)."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return 0
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(("compilelm:num_requests_running", "compilelm:num_requests_waiting")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_in_flight(srv, n: int, timeout: float = 60) -> None:
+    """Until `n` requests are running or waiting in the server's engine."""
+    deadline = time.monotonic() + timeout
+    while in_flight(srv.url) < n:
+        assert time.monotonic() < deadline, "requests never reached the engine"
+        time.sleep(0.1)
+
+
+def stream_to_end(url: str, body: dict, out: dict, key: str, path: str = "/v1/completions",
+                  ) -> None:
+    """Reads a stream into `out[key]`, line by line as they come (an HTTP error replaces it)."""
+    lines = out.setdefault(key, [])
+    try:
+        with httpx.stream("POST", f"{url}{path}", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+    except httpx.HTTPError as e:
+        out[key] = e
+
+
 class RemoteServer:
     """`python -m compilelm.entrypoints.cli serve ARGS` (or another `module` with the same
     command line) on a free localhost port."""
