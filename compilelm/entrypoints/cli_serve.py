@@ -69,5 +69,4 @@ def run(args: argparse.Namespace) -> int:
                 "set" if args.api_key else "none")
     app = build_app(state, api_keys=args.api_key, guard_metrics=args.require_api_key_for_metrics,
                     max_body_bytes=args.max_request_body_bytes)
-    serve_http(app, state, args.host, args.port, args.shutdown_timeout, args.log_level)
-    return 0
+    return serve_http(app, state, args.host, args.port, args.shutdown_timeout, args.log_level)
