@@ -107,7 +107,7 @@ class AsyncLLMEngine:
         if not self.is_ready:
             raise EngineNotReadyError("the model is still loading")
         if self.max_queue_len is None or self._num_seqs_in_flight == 0:
-            return  # an idle engine always admits (a request larger than capacity must fit somewhere)
+            return  # an idle engine admits anything (a request larger than capacity included)
         capacity = self.engine.config.scheduler.max_num_seqs + self.max_queue_len
         if num_seqs > capacity:
             raise QueueFullError(f"this request needs {num_seqs} sequences, more than the server "

@@ -14,7 +14,8 @@ import json
 import os
 
 _PATH_FIELDS = ("vocab_file", "merges_file")
-_ADDED_TOKEN_FIELDS = {"__type", "content", "lstrip", "rstrip", "normalized", "single_word", "special"}
+_ADDED_TOKEN_FIELDS = {"__type", "content", "lstrip", "rstrip", "normalized", "single_word",
+                       "special"}
 
 
 def tokenizer_info(tokenizer) -> dict:
