@@ -1,5 +1,5 @@
 """Bad input always gets a 4xx with OpenAI's error body (never a 5xx, never a crash); auth is
-deny-by-default; a schema-driven fuzz run over /openapi.json finds no 5xx."""
+deny-by-default (the schema-driven fuzz run is test_fuzz.py)."""
 
 from __future__ import annotations
 
@@ -194,49 +194,3 @@ def test_openai_client_auth(server, model_name):
         bad.models.list()
     good = openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0)
     assert good.models.list().data[0].id == model_name
-
-
-def test_schemathesis_no_server_errors(server, http):
-    """Schema-valid requests for every operation in /openapi.json: never a 5xx, and the status
-    codes, content types, headers and bodies are the documented ones."""
-    import hypothesis
-    import schemathesis
-    from hypothesis import HealthCheck, given, settings
-    from schemathesis import checks
-
-    schema = schemathesis.openapi.from_dict(http.get("/openapi.json").json())
-    operations = [op.ok() for op in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions",
-                                               "/tokenize", "/health", "/metrics"}
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    wanted = [checks.not_a_server_error, checks.status_code_conformance,
-              checks.content_type_conformance, checks.response_schema_conformance,
-              checks.response_headers_conformance]
-    failures, generated = [], []
-
-    for op in operations:
-        generation = "completions" in op.path
-
-        @given(case=op.as_strategy())
-        @settings(max_examples=40 if generation else 25, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck),
-                  phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate])
-        def run(case):
-            if isinstance(case.body, dict) and generation:  # keep generation short on CPU
-                case.body["max_tokens"] = min(case.body.get("max_tokens") or 2, 2)
-                case.body.pop("max_completion_tokens", None)
-                case.body.pop("min_tokens", None)
-                case.body["n"] = min(case.body.get("n") or 1, 2)
-            response = case.call(base_url=server.url, headers=headers, timeout=60)
-            generated.append((op.path, response.status_code))
-            try:
-                case.validate_response(response, checks=wanted)
-            except BaseException as e:  # noqa: BLE001 - collected, reported below
-                failures.append((case.method, case.path, case.body, response.status_code,
-                                 str(e)[:500]))
-
-        run()
-    assert not failures, failures[:3]
-    ok = [path for path, status in generated if status == 200]
-    # random token ids are mostly out of vocabulary (400), but some requests must get through
-    assert ok.count("/v1/completions") >= 3 and ok.count("/v1/chat/completions") >= 3

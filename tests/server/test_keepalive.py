@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from compilelm.entrypoints.openai import serving_engine
-from tests.server.utils import dummy_server
+from tests.server.utils import ConnectionCounter, dummy_server
 
 pytestmark = pytest.mark.slow
 
@@ -22,20 +22,9 @@ def srv():
     server.close()
 
 
-class _Connections:
-    """httpcore's trace hook: counts the TCP connections a client opens."""
-
-    def __init__(self):
-        self.opened = 0
-
-    def __call__(self, event: str, info: dict) -> None:
-        if event == "connection.connect_tcp.complete":
-            self.opened += 1
-
-
 @pytest.fixture
 def client(srv):
-    conns = _Connections()
+    conns = ConnectionCounter()
     with httpx.Client(base_url=srv.url, timeout=60) as c:
         c.conns = conns
         yield c
@@ -81,7 +70,7 @@ def test_stream_failing_half_way_ends_with_an_error_event(srv, client, monkeypat
         raise RuntimeError("injected streaming fault")
 
     monkeypatch.setattr(serving_engine.ChoiceStream, "next", faulty_next)
-    body = {"prompt": [5, 6, 7], "max_tokens": 50, "ignore_eos": True, "stream": True}
+    body = {"prompt": [5, 6, 7], "max_tokens": 8, "ignore_eos": True, "stream": True}
     with client.stream("POST", "/v1/completions", json=body,
                        extensions={"trace": client.conns}) as r:
         assert r.status_code == 200

@@ -18,6 +18,17 @@ API_KEY = "sk-compilelm-test"
 DUMMY = "dummy:smollm2-135m"  # random weights of the default model's shape: no weights to load
 
 
+class ConnectionCounter:
+    """An httpx request's `trace` extension: counts the TCP connections the client opens."""
+
+    def __init__(self):
+        self.opened = 0
+
+    def __call__(self, event: str, info: dict) -> None:
+        if event == "connection.connect_tcp.complete":
+            self.opened += 1
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
