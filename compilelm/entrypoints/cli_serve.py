@@ -19,10 +19,12 @@ def add_parser(sub) -> None:
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) in the API (default: the model's name)")
     g.add_argument("--api-key", action="append", default=None,
-                   help="require `Authorization: Bearer <key>` on every route but /health "
-                        "(repeat for several keys)")
+                   help="require `Authorization: Bearer <key>` on every route but /health and "
+                        "/metrics (repeat for several keys)")
+    g.add_argument("--require-api-key-for-metrics", action="store_true",
+                   help="with --api-key, /metrics needs the key too (default: open, as in vLLM)")
     g.add_argument("--public-metrics", action="store_true",
-                   help="serve /metrics without the API key")
+                   help=argparse.SUPPRESS)  # the default now; still accepted
     g.add_argument("--max-queue-len", type=int, default=1024,
                    help="sequences that may wait beyond --max-num-seqs; more get 429")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -65,7 +67,6 @@ def run(args: argparse.Namespace) -> int:
     logger.info("compilelm serve: model=%s served as %s, max_model_len=%s, api_key=%s",
                 source.name, names, config.max_model_len or "auto",
                 "set" if args.api_key else "none")
-    app = build_app(state, api_keys=args.api_key, public_metrics=args.public_metrics,
+    app = build_app(state, api_keys=args.api_key, guard_metrics=args.require_api_key_for_metrics,
                     max_body_bytes=args.max_request_body_bytes)
-    serve_http(app, state, args.host, args.port, args.shutdown_timeout, args.log_level)
-    return 0
+    return serve_http(app, state, args.host, args.port, args.shutdown_timeout, args.log_level)

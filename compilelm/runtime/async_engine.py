@@ -24,6 +24,10 @@ from compilelm.sampling_params import SamplingParams
 
 logger = logging.getLogger("compilelm")
 
+# the engine's cumulative stats (LLMEngine.stats()); the rest are gauges
+_COUNTERS = ("num_preemptions", "prompt_tokens_total", "generation_tokens_total",
+             "prefix_cache_queries", "prefix_cache_hits")
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop raised; nothing more can be served by this process."""
@@ -55,7 +59,10 @@ class AsyncLLMEngine:
         self.engine = None  # the LLMEngine, once loaded
         self.load_error: BaseException | None = None
         self.dead_error: EngineDeadError | None = None
-        self.stats: dict = {}  # snapshot of engine.stats(), refreshed by the engine thread
+        # snapshot of engine.stats(), refreshed by the engine thread; its counters count from
+        # the moment the engine is ready (the start-up warm-up is not served work)
+        self.stats: dict = {}
+        self._counters_at_ready: dict = {}
         self._ready = threading.Event()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _streams and dead_error
@@ -100,17 +107,24 @@ class AsyncLLMEngine:
         if not self.is_ready:
             raise EngineNotReadyError("the model is still loading")
         if self.max_queue_len is None or self._num_seqs_in_flight == 0:
-            return  # an idle engine always admits (a request with a large n must fit somewhere)
+            return  # an idle engine admits anything (a request larger than capacity included)
         capacity = self.engine.config.scheduler.max_num_seqs + self.max_queue_len
+        if num_seqs > capacity:
+            raise QueueFullError(f"this request needs {num_seqs} sequences, more than the server "
+                                 f"holds (max_num_seqs + max_queue_len = {capacity}): it is "
+                                 f"admitted only when no other request is in flight")
         if self._num_seqs_in_flight + num_seqs > capacity:
             raise QueueFullError(f"the server is at capacity ({self._num_seqs_in_flight} sequences "
                                  f"in flight, max_num_seqs + max_queue_len = {capacity})")
 
-    def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams) -> RequestStream:
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 admitted: bool = False) -> RequestStream:
         """Admit a request now (raising QueueFullError, EngineDeadError, ...) and return the
-        stream of its cumulative RequestOutputs. Must be called on the event loop."""
-        self.check_admission(params.n)
+        stream of its cumulative RequestOutputs. Must be called on the event loop. `admitted`:
+        the caller has already passed `check_admission` for a whole that includes this request
+        (the prompts of one HTTP request), earlier in the same turn of the event loop."""
+        if not admitted:
+            self.check_admission(params.n)
         stream = RequestStream(self, request_id, params, asyncio.get_running_loop())
         with self._lock:
             if self.dead_error is not None:
@@ -146,6 +160,8 @@ class AsyncLLMEngine:
             self.engine, self.load_error = None, e
             self._ready.set()
             return
+        stats = self.engine.stats()
+        self._counters_at_ready = {k: stats[k] for k in _COUNTERS if k in stats}
         self._publish_stats()
         self._ready.set()
         engine = self.engine
@@ -245,7 +261,10 @@ class AsyncLLMEngine:
             _put(stream, dead)
 
     def _publish_stats(self) -> None:
-        self.stats = self.engine.stats()
+        stats = self.engine.stats()
+        for k, v in self._counters_at_ready.items():
+            stats[k] -= v
+        self.stats = stats
 
     def _finished(self, request_id: str, reason: str) -> None:
         if self.metrics is not None:

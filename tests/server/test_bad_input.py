@@ -1,5 +1,5 @@
 """Bad input always gets a 4xx with OpenAI's error body (never a 5xx, never a crash); auth is
-deny-by-default; a schema-driven fuzz run over /openapi.json finds no 5xx."""
+deny-by-default (the schema-driven fuzz run is test_fuzz.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from tests.server.utils import API_KEY
+from tests.server.utils import API_KEY, DUMMY, RemoteServer
 
 pytestmark = pytest.mark.slow
 
@@ -89,6 +89,20 @@ CASES = [
     ("suffix", "POST", CMPL, {"prompt": "hi", "suffix": "end"}, {}, 400, None, "suffix"),
     ("detokenize out of vocab", "POST", "/detokenize", {"tokens": [49152]}, {}, 400, None,
      "tokens"),
+    # JSON may escape a lone surrogate, which is no Unicode text: every string field refuses it
+    ("lone surrogate tokenize", "POST", "/tokenize", b'{"prompt": "\\ud800"}', {}, 400, None,
+     "prompt"),
+    ("lone surrogate prompt", "POST", CMPL, b'{"prompt": "a\\udfffb"}', {}, 400, None, "prompt"),
+    ("lone surrogate chat", "POST", CHAT,
+     b'{"messages": [{"role": "user", "content": "\\ud800"}]}', {}, 400, None, "messages"),
+    ("lone surrogate tokenize chat", "POST", "/tokenize",
+     b'{"messages": [{"role": "user", "content": "\\ud800"}]}', {}, 400, None, "messages"),
+    ("lone surrogate model", "POST", CMPL, b'{"model": "\\ud800", "prompt": "hi"}', {}, 400,
+     None, "model"),
+    ("lone surrogate stop", "POST", CMPL, b'{"prompt": "hi", "stop": ["x", "\\udbff"]}', {}, 400,
+     None, "stop"),
+    ("lone surrogate logit_bias key", "POST", CMPL,
+     b'{"prompt": "hi", "logit_bias": {"\\ud800": 1}}', {}, 400, None, "logit_bias"),
     ("body too large", "POST", CMPL, {"prompt": "x" * (2**20 + 10)}, {}, 413, "request_too_large",
      None),
     ("unknown route", "GET", "/v1/nope", None, {}, 404, None, None),
@@ -141,9 +155,9 @@ def test_server_still_serves_after_bad_input(client, model_name):
 
 @pytest.mark.parametrize("path,method", [
     ("/v1/models", "GET"), ("/v1/completions", "POST"), ("/v1/chat/completions", "POST"),
-    ("/tokenize", "POST"), ("/detokenize", "POST"), ("/version", "GET"), ("/metrics", "GET"),
+    ("/tokenize", "POST"), ("/detokenize", "POST"), ("/tokenizer_info", "GET"), ("/version", "GET"),
     ("/openapi.json", "GET"), ("/docs", "GET"), ("/v1/unknown", "GET")])
-def test_auth_required_everywhere_but_health(server, path, method):
+def test_auth_required_everywhere_but_health_and_metrics(server, path, method):
     body = {"prompt": "hi", "max_tokens": 1} if method == "POST" else None
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
                     {"Authorization": f"Basic {API_KEY}"}, {"Authorization": f"Bearer {API_KEY}x"}):
@@ -156,6 +170,23 @@ def test_auth_required_everywhere_but_health(server, path, method):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+def test_metrics_are_open_by_default_and_guarded_on_request(server):
+    """vLLM's API key guards /v1/*, so a Prometheus scrape set up for vLLM sends no key:
+    /metrics is open unless --require-api-key-for-metrics."""
+    r = httpx.get(f"{server.url}/metrics")
+    assert r.status_code == 200 and "compilelm:num_requests_running" in r.text
+    guarded = RemoteServer([DUMMY, "--enforce-eager", "--max-model-len", "128", "--num-kv-blocks",
+                            "16", "--api-key", API_KEY, "--require-api-key-for-metrics"])
+    try:
+        r = httpx.get(f"{guarded.url}/metrics")
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = httpx.get(f"{guarded.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
+        assert r.status_code == 200 and "compilelm:num_requests_running" in r.text
+        assert httpx.get(f"{guarded.url}/health").status_code == 200
+    finally:
+        guarded.close()
+
+
 def test_openai_client_auth(server, model_name):
     import openai
     bad = openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0)
@@ -163,49 +194,3 @@ def test_openai_client_auth(server, model_name):
         bad.models.list()
     good = openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0)
     assert good.models.list().data[0].id == model_name
-
-
-def test_schemathesis_no_server_errors(server, http):
-    """Schema-valid requests for every operation in /openapi.json: never a 5xx, and the status
-    codes, content types, headers and bodies are the documented ones."""
-    import hypothesis
-    import schemathesis
-    from hypothesis import HealthCheck, given, settings
-    from schemathesis import checks
-
-    schema = schemathesis.openapi.from_dict(http.get("/openapi.json").json())
-    operations = [op.ok() for op in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions",
-                                               "/tokenize", "/health", "/metrics"}
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    wanted = [checks.not_a_server_error, checks.status_code_conformance,
-              checks.content_type_conformance, checks.response_schema_conformance,
-              checks.response_headers_conformance]
-    failures, generated = [], []
-
-    for op in operations:
-        generation = "completions" in op.path
-
-        @given(case=op.as_strategy())
-        @settings(max_examples=40 if generation else 25, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck),
-                  phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate])
-        def run(case):
-            if isinstance(case.body, dict) and generation:  # keep generation short on CPU
-                case.body["max_tokens"] = min(case.body.get("max_tokens") or 2, 2)
-                case.body.pop("max_completion_tokens", None)
-                case.body.pop("min_tokens", None)
-                case.body["n"] = min(case.body.get("n") or 1, 2)
-            response = case.call(base_url=server.url, headers=headers, timeout=60)
-            generated.append((op.path, response.status_code))
-            try:
-                case.validate_response(response, checks=wanted)
-            except BaseException as e:  # noqa: BLE001 - collected, reported below
-                failures.append((case.method, case.path, case.body, response.status_code,
-                                 str(e)[:500]))
-
-        run()
-    assert not failures, failures[:3]
-    ok = [path for path, status in generated if status == 200]
-    # random token ids are mostly out of vocabulary (400), but some requests must get through
-    assert ok.count("/v1/completions") >= 3 and ok.count("/v1/chat/completions") >= 3

@@ -15,41 +15,12 @@ import httpx
 import openai
 import pytest
 
-from tests.server.utils import InProcessServer, RemoteServer, wait_healthy
+from tests.server.utils import (DUMMY, RemoteServer, dummy_server, stream_to_end, wait_healthy,
+                                wait_in_flight)
 
 pytestmark = pytest.mark.slow
 
-DUMMY = "dummy:smollm2-135m"  # random weights of the default model's shape: no weights to load
 LONG = {"prompt": [5, 6, 7, 8], "max_tokens": 200, "ignore_eos": True, "stream": True}
-
-
-def _in_process(max_num_seqs: int, max_queue_len: int | None, step_delay: float = 0.0):
-    """A 2-layer dummy engine behind the real app; `step_delay` slows each step down."""
-    from compilelm.entrypoints.openai.api_server import build_app
-    from compilelm.entrypoints.openai.metrics import ServerMetrics
-    from compilelm.entrypoints.openai.serving_engine import ServerState
-    from compilelm.llm import make_engine_config
-    from compilelm.runtime.async_engine import AsyncLLMEngine
-    from compilelm.runtime.engine import LLMEngine
-
-    config = make_engine_config(DUMMY, model_overrides={"num_hidden_layers": 2}, max_model_len=256,
-                                num_kv_blocks=80, max_num_seqs=max_num_seqs, enforce_eager=True)
-
-    def factory():
-        engine = LLMEngine(config)
-        step = engine.step
-
-        def slow_step():
-            time.sleep(step_delay)
-            return step()
-
-        engine.step = slow_step
-        return engine
-
-    async_engine = AsyncLLMEngine(factory, max_queue_len=max_queue_len)
-    state = ServerState(async_engine, ["dummy"])
-    state.metrics = async_engine.metrics = ServerMetrics("dummy", lambda: async_engine.stats)
-    return InProcessServer(build_app(state), state)
 
 
 class _Events:
@@ -70,7 +41,7 @@ class _Events:
 
 
 def test_full_queue_gets_429_with_retry_after():
-    srv = _in_process(max_num_seqs=2, max_queue_len=1, step_delay=0.02)
+    srv = dummy_server(max_num_seqs=2, max_queue_len=1, step_delay=0.02)
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             with c.stream("POST", "/v1/completions", json=LONG) as a, \
@@ -100,7 +71,7 @@ def test_full_queue_gets_429_with_retry_after():
 
 
 def test_engine_death_fails_requests_and_health(caplog):
-    srv = _in_process(max_num_seqs=8, max_queue_len=None, step_delay=0.01)
+    srv = dummy_server(max_num_seqs=8, max_queue_len=None, step_delay=0.01)
     engine = srv.state.async_engine.engine
     boom = threading.Event()
     step = engine.step
@@ -140,14 +111,6 @@ def test_engine_death_fails_requests_and_health(caplog):
         srv.close()
 
 
-def _stream_to_end(url: str, body: dict, out: dict, key: str) -> None:
-    try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-            out[key] = [line for line in r.iter_lines() if line]
-    except httpx.HTTPError as e:
-        out[key] = e
-
-
 def test_health_503_while_loading_then_sigterm_drains_in_flight_requests():
     srv = RemoteServer([DUMMY, "--enforce-eager", "--max-model-len", "256", "--num-kv-blocks",
                         "64", "--shutdown-timeout", "60"], wait=False)
@@ -166,11 +129,11 @@ def test_health_503_while_loading_then_sigterm_drains_in_flight_requests():
         assert {s for s, _ in statuses} == {503, 200}
         body = {**LONG, "max_tokens": 24}
         results: dict = {}
-        threads = [threading.Thread(target=_stream_to_end, args=(srv.url, body, results, k))
+        threads = [threading.Thread(target=stream_to_end, args=(srv.url, body, results, k))
                    for k in ("a", "b")]
         for t in threads:
             t.start()
-        _wait_in_flight(srv, 2)
+        wait_in_flight(srv, 2)
         srv.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         assert httpx.get(f"{srv.url}/health").status_code == 503
@@ -205,42 +168,44 @@ def test_sigterm_while_loading_exits_at_once():
         srv.close()
 
 
-def _in_flight(srv) -> float:
-    """running + waiting requests, from /metrics (0 if unreachable)."""
-    try:
-        text = httpx.get(f"{srv.url}/metrics", timeout=5).text
-    except httpx.HTTPError:
-        return 0
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(("compilelm:num_requests_running", "compilelm:num_requests_waiting")):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def _wait_in_flight(srv, n: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while _in_flight(srv) < n:
-        assert time.monotonic() < deadline, "requests never reached the engine"
-        time.sleep(0.1)
-
-
 def test_sigterm_with_zero_timeout_aborts_and_exits_fast():
+    """--shutdown-timeout 0: in-flight streams end as vLLM ends aborted ones, each unfinished
+    choice with finish_reason "abort", then the usage chunk and [DONE] (no error event); the
+    process exits 0."""
     srv = RemoteServer([DUMMY, "--enforce-eager", "--max-model-len", "256", "--num-kv-blocks",
                         "64", "--shutdown-timeout", "0"])
     try:
+        usage = {"stream_options": {"include_usage": True}}
+        bodies = {"/v1/completions": ({**LONG, **usage}, 1),
+                  "/v1/chat/completions": ({"messages": [{"role": "user", "content": "hi"}], "n": 2,
+                                            "max_tokens": 200, "ignore_eos": True, "stream": True,
+                                            **usage}, 2)}
         results: dict = {}
-        t = threading.Thread(target=_stream_to_end,
-                             args=(srv.url, {**LONG, "max_tokens": 200}, results, "a"))
-        t.start()
-        _wait_in_flight(srv, 1)
+        threads = [threading.Thread(target=stream_to_end, args=(srv.url, body, results, path, path))
+                   for path, (body, _) in bodies.items()]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while not all(len(results.get(path, ())) >= 3 for path in bodies):  # text is streaming
+            assert time.monotonic() < deadline, results
+            time.sleep(0.05)
         t0 = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(15) == 0, srv.log()
         assert time.monotonic() - t0 < 10
-        t.join(30)
-        lines = results["a"]
-        assert lines[-1] == "data: [DONE]"
-        assert "shutting down" in json.loads(lines[-2][6:])["error"]["message"]
+        for t in threads:
+            t.join(30)
+        for path, (_, n) in bodies.items():
+            lines = results[path]
+            assert lines[-1] == "data: [DONE]", lines[-3:]
+            events = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+            assert not any("error" in e for e in events), events[-3:]
+            finished = sorted((c["index"], c["finish_reason"]) for e in events
+                              for c in e["choices"] if c["finish_reason"])
+            assert finished == [(i, "abort") for i in range(n)], finished
+            assert events[-1]["choices"] == []
+            u = events[-1]["usage"]
+            assert u["completion_tokens"] >= n and u["prompt_tokens"] > 0
+            assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
     finally:
         srv.close()

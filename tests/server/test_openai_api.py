@@ -224,6 +224,23 @@ def test_tokenize_detokenize(http, tokenizer):
     assert back["prompt"] == tokenizer.decode(r["tokens"])
 
 
+def test_tokenizer_info_serves_lm_eval_remote_tokenizer(http, tokenizer):
+    """lm-eval's `tokenizer_backend=remote`: GET /tokenizer_info must hold `eos_token`, then
+    POST /tokenize {"prompt": ..., "add_special_tokens": false} gives the ids; vLLM's shape
+    (tokenizer_config fields, `tokenizer_class`, the chat template, no file paths)."""
+    r = http.get("/tokenizer_info")
+    assert r.status_code == 200
+    info = r.json()
+    assert info["tokenizer_class"] == type(tokenizer).__name__
+    assert info["eos_token"] == tokenizer.eos_token and info["bos_token"] == tokenizer.bos_token
+    assert info["chat_template"] == tokenizer.chat_template
+    assert not {"vocab_file", "merges_file"} & set(info)
+    test = http.post("/tokenize", json={"prompt": "test", "add_special_tokens": False}).json()
+    assert test["tokens"] == tokenizer.encode("test", add_special_tokens=False)
+    eos = http.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False})
+    assert eos.json()["tokens"][0] == tokenizer.eos_token_id  # lm-eval's eos_token_id
+
+
 def test_extra_fields_are_accepted(client, model_name):
     r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=2,
                                   extra_body={"some_future_field": {"x": 1}})

@@ -3,8 +3,10 @@
 Life of the process: the socket is bound and /health answers 503 while the engine thread loads
 the model; once ready, /health is 200. SIGTERM starts a drain: /health and new requests get 503,
 in-flight requests run to the end for up to `shutdown_timeout` seconds, then whatever is left is
-aborted and the process exits 0 (at once while the model is still loading). A dead engine keeps
-the process up with /health at 503 so the orchestrator sees it and restarts it.
+aborted and the process exits 0 (at once while the model is still loading). When the engine
+dies (an exception in a step), every in-flight request gets a 500 or an error event, /health
+and new requests fail at once (503, 500), and once the in-flight requests have had their error
+(or after `_DEAD_EXIT_S`) the process exits 1, so that a supervisor restarts it (as vLLM does).
 """
 
 from __future__ import annotations
@@ -28,23 +30,28 @@ from compilelm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCo
                                                    CompletionRequest, CompletionResponse,
                                                    DetokenizeRequest, DetokenizeResponse,
                                                    ErrorResponse, ModelCard, ModelList,
-                                                   TokenizeChatRequest, TokenizeCompletionRequest,
-                                                   TokenizeResponse, VersionResponse)
+                                                   TokenizeChatRequest, TokenizeRequest,
+                                                   TokenizeResponse, TokenizerInfoResponse,
+                                                   VersionResponse)
 from compilelm.entrypoints.openai.serving_chat import OpenAIServingChat
 from compilelm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from compilelm.entrypoints.openai.serving_engine import ServerState
+from compilelm.entrypoints.openai.tokenizer_info import tokenizer_info
 
 logger = logging.getLogger("compilelm")
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
+_DEAD_EXIT_S = 5.0  # longest wait, once the engine died, for in-flight requests to get their error
 
 
 def _json_or_sse(model) -> dict:
     return {200: {"model": model, "content": {"text/event-stream": {}}}, **_ERRORS}
 
 
-def build_app(state: ServerState, api_keys: list[str] | None = None, public_metrics: bool = False,
+def build_app(state: ServerState, api_keys: list[str] | None = None, guard_metrics: bool = False,
               max_body_bytes: int = 8 * 2**20) -> FastAPI:
+    """With `api_keys`, every route needs one but /health and /metrics (as in vLLM, whose
+    Prometheus scrapes carry no key); `guard_metrics` puts /metrics behind the key too."""
     from compilelm import __version__
 
     app = FastAPI(title="compilelm OpenAI-compatible API", version=__version__)
@@ -96,7 +103,7 @@ def build_app(state: ServerState, api_keys: list[str] | None = None, public_metr
         return resp if isinstance(resp, Response) else JSONResponse(resp.model_dump())
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
-    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest):
+    async def tokenize(body: TokenizeRequest):
         completion.check_model(body.model)
         tok = completion.engine.tokenizer
         if isinstance(body, TokenizeChatRequest):
@@ -106,6 +113,10 @@ def build_app(state: ServerState, api_keys: list[str] | None = None, public_metr
         strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=completion.engine.config.max_model_len,
                                 tokens=ids, token_strs=strs)
+
+    @app.get("/tokenizer_info", response_model=TokenizerInfoResponse, responses=_ERRORS)
+    async def get_tokenizer_info():
+        return JSONResponse(tokenizer_info(completion.engine.tokenizer))
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest):
@@ -119,7 +130,7 @@ def build_app(state: ServerState, api_keys: list[str] | None = None, public_metr
 
     wrapped = BodyLimitMiddleware(app, max_body_bytes)
     if api_keys:
-        public = frozenset({"/health"} | ({"/metrics"} if public_metrics else set()))
+        public = frozenset({"/health"} | (set() if guard_metrics else {"/metrics"}))
         wrapped = AuthMiddleware(wrapped, api_keys, public)
     return wrapped
 
@@ -161,6 +172,7 @@ class _Server(uvicorn.Server):
         self.state = state
         self.shutdown_timeout = shutdown_timeout
         self.drain_deadline: float | None = None
+        self.dead_deadline: float | None = None
 
     def handle_exit(self, sig: int, frame) -> None:
         if self.drain_deadline is not None:
@@ -177,6 +189,12 @@ class _Server(uvicorn.Server):
         if await super().on_tick(counter):
             return True
         engine = self.state.async_engine
+        if engine.dead_error is not None:
+            if self.dead_deadline is None:
+                logger.error("the engine is dead: exiting with status 1 once the %d in-flight "
+                             "sequences have their error", engine.num_seqs_in_flight)
+                self.dead_deadline = time.monotonic() + _DEAD_EXIT_S
+            return engine.num_seqs_in_flight == 0 or time.monotonic() >= self.dead_deadline
         if self.drain_deadline is None:
             if engine.load_error is not None:
                 return True  # the model never loaded: stop serving 503s forever
@@ -193,8 +211,9 @@ class _Server(uvicorn.Server):
 
 
 def serve_http(app, state: ServerState, host: str, port: int, shutdown_timeout: float,
-               log_level: str = "info") -> None:
-    """Serve until drained. Raises the engine's load error if the model failed to load."""
+               log_level: str = "info") -> int:
+    """Serve until drained or the engine dies; returns the exit status (1: the engine died).
+    Raises the engine's load error if the model failed to load."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=5, timeout_keep_alive=5,
                             h11_max_incomplete_event_size=64 * 1024)  # bounds header memory
@@ -234,3 +253,4 @@ def serve_http(app, state: ServerState, host: str, port: int, shutdown_timeout: 
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+    return 1 if engine.dead_error is not None else 0

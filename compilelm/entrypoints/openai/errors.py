@@ -3,6 +3,11 @@
 Clients branch on the status (openai-python retries 429 and 5xx, honouring Retry-After) and on
 `code` (`context_length_exceeded`), so bad input must be a 4xx with a precise body — never a
 422 from FastAPI's defaults, never a 500.
+
+Error bodies are ASCII JSON, so a message that quotes the client's input (a lone surrogate
+included) always renders. An unexpected exception is a 500 on a connection that stays open:
+Starlette's handler for `Exception` re-raises after answering, and uvicorn then drops the
+keep-alive connection without `Connection: close`, losing the client's next request.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("compilelm")
@@ -38,8 +43,9 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self) -> Response:
+        return Response(json.dumps(self.body()), status_code=self.status, headers=self.headers,
+                        media_type="application/json")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
@@ -71,6 +77,8 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     first, loc, more = _most_specific(errors)
     param = loc[0] if loc else None  # the top-level field
     msg = first.get("msg", "invalid value")
+    if first.get("type") == "string_unicode":
+        msg = "not valid Unicode text (a lone surrogate escape such as \\ud800)"
     where = f"{'.'.join(loc)}: " if loc else "request body: "
     more = f" (and {more} more error{'s' if more > 1 else ''})" if more else ""
     return bad_request(f"{where}{msg}{more}", param=param)
@@ -83,7 +91,7 @@ def _most_specific(errors: list[dict]) -> tuple[dict, list[str], int]:
     report the one that got furthest (not a mismatch of the whole value's type, then the deepest)
     and leave the tag out of its location, so `"prompt": []` reads "prompt: List should have at
     least 1 item", not "prompt.constrained-str: Input should be a valid string"."""
-    locs = [[p for p in e.get("loc", ()) if p != "body"] for e in errors]
+    locs = [_body_loc(e) for e in errors]
     field = [i for i, loc in enumerate(locs) if loc[:1] == locs[0][:1]]
     depth = 0  # the length of the locations' common prefix
     while all(len(locs[i]) > depth and locs[i][depth] == locs[0][depth] for i in field):
@@ -96,7 +104,21 @@ def _most_specific(errors: list[dict]) -> tuple[dict, list[str], int]:
     return errors[best], [str(p) for p in loc], len(errors) - len(field)
 
 
+def _body_loc(error: dict) -> list:
+    """The error's location in the body. A body that is one of several request models
+    (`/tokenize`: the prompt or the chat form) puts the model's name first: left out (the API's
+    field names are all lower case)."""
+    loc = list(error.get("loc", ()))
+    if loc[:1] == ["body"]:
+        loc = loc[1:]
+    if loc and isinstance(loc[0], str) and loc[0][:1].isupper():
+        loc = loc[1:]
+    return loc
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    app.add_middleware(InternalErrorMiddleware)
+
     @app.exception_handler(OpenAIError)
     async def _openai(_: Request, exc: OpenAIError):
         return exc.response()
@@ -109,7 +131,37 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException):
         return OpenAIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        logger.exception("unhandled error serving %s %s", request.method, request.url.path)
-        return internal_error(f"internal server error: {type(exc).__name__}").response()
+
+class InternalErrorMiddleware:
+    """An exception no handler took: a 500 with an OpenAI body, and the connection kept (the
+    exception is logged here, not re-raised). A stream that already started gets an error event
+    and `data: [DONE]` instead; any other started response can only be cut (re-raised)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        sent: dict = {}  # "headers" once the response started, "done" once its body ended
+
+        async def tracking_send(message):
+            if message["type"] == "http.response.start":
+                sent["headers"] = dict(message.get("headers", ()))
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                sent["done"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:  # noqa: BLE001 - answered here; the server keeps serving
+            logger.exception("unhandled error serving %s %s", scope["method"], scope["path"])
+            err = internal_error(f"internal server error: {type(exc).__name__}")
+            if not sent:
+                return await err.response()(scope, receive, send)
+            if sent.get("done"):
+                return
+            if not sent["headers"].get(b"content-type", b"").startswith(b"text/event-stream"):
+                raise
+            await send({"type": "http.response.body", "more_body": False,
+                        "body": (sse_error_event(err) + "data: [DONE]\n\n").encode()})

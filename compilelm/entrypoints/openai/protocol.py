@@ -2,7 +2,9 @@
 
 Requests accept unknown fields (openai-python sends `extra_body` keys at the top level) but
 check every known field's type and range here, so the generated /openapi.json is exact and a
-bad value is a 400 before anything reaches the engine. Non-finite floats are refused.
+bad value is a 400 before anything reaches the engine. Non-finite floats are refused, and so is
+every string that is not valid Unicode (JSON lets a body carry a lone surrogate, `"\\ud800"`,
+which no tokenizer or UTF-8 encoder takes): a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 MAX_N = 128  # choices per prompt (an unbounded n is a DoS: CVE-2026-34756)
 MAX_SEQS_PER_REQUEST = 256  # prompts x n of one HTTP request
@@ -18,12 +20,15 @@ MAX_PROMPTS = 128  # prompts in one /v1/completions batch
 MAX_LOGPROBS = 20
 MAX_STOP = 16  # stop strings per request
 _INT64 = 2**63
+# pydantic checks that a string is valid Unicode only when it has a constraint: this bound puts
+# one on every string field (and dict key) of the requests; the body-size limit binds first
+_MAX_STR_CHARS = 2**31 - 1
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, str_max_length=_MAX_STR_CHARS)
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -127,6 +132,17 @@ class TokenizeChatRequest(OpenAIBaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
+
+
+def _tokenize_form(body) -> str:
+    return "TokenizeChatRequest" if isinstance(body, dict) and "messages" in body \
+        else "TokenizeCompletionRequest"
+
+
+# /tokenize's body: the chat form when it has `messages` (errors then name that form's fields)
+TokenizeRequest = Annotated[Annotated[TokenizeCompletionRequest, Tag("TokenizeCompletionRequest")]
+                            | Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")],
+                            Discriminator(_tokenize_form)]
 
 
 class DetokenizeRequest(OpenAIBaseModel):
@@ -240,6 +256,13 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    """The tokenizer's configuration (tokenizer_config.json's fields), as vLLM serves it."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
 
 
 class VersionResponse(BaseModel):

@@ -109,7 +109,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                           "logprobs": None, "finish_reason": None} for i in range(n)])
-            async for out in self.iterate(stream):
+            async for out in self.iterate(stream, finish_aborted=True):
                 for c in out.outputs:
                     delta = streams[c.index].next(c)
                     if delta is None:

@@ -105,7 +105,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         try:
-            async for i, out in self.iterate_many(job.streams):
+            async for i, out in self.iterate_many(job.streams, finish_aborted=True):
                 text, ids, _ = prepared[i]
                 for c in out.outputs:
                     k = i * n + c.index

@@ -9,6 +9,7 @@ status (queue full 429, loading/draining 503, engine dead 500).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import uuid
 from collections.abc import AsyncIterator
@@ -63,7 +64,11 @@ class OpenAIServing:
                               code="model_not_found")
 
     def admit(self, num_seqs: int) -> None:
-        """Refuse early (before tokenizing) when the server cannot take the request."""
+        """Refuse early (before tokenizing) when the server cannot take the request: all its
+        sequences (prompts x n) are admitted or refused together, here once; its engine
+        requests are then started (`start`) without an await in between, so nothing else is
+        admitted meanwhile. A request larger than max_num_seqs + max_queue_len is admitted
+        when nothing else is in flight (429 until then)."""
         if num_seqs > _max_seqs():
             raise bad_request(f"this request asks for {num_seqs} sequences (prompts x n); the "
                               f"limit is {_max_seqs()}", param="n")
@@ -143,18 +148,31 @@ class OpenAIServing:
         return internal_error(f"internal server error: {type(e).__name__}")
 
     def start(self, request_id: str, token_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Admit and enqueue one engine request (429/503/500 are raised here, before any
-        response bytes are sent)."""
+        """Enqueue one engine request of a request that `admit` took (a dead engine's 500 is
+        raised here, before any response bytes are sent)."""
         try:
-            return self.state.async_engine.generate(request_id, token_ids, params)
+            return self.state.async_engine.generate(request_id, token_ids, params, admitted=True)
         except Exception as e:  # noqa: BLE001 - mapped to a status, never a crash
             raise self.map_error(e) from e
 
-    async def iterate(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
-        """The stream's outputs with failures mapped to OpenAIError; closing aborts."""
+    async def iterate(self, stream: RequestStream, finish_aborted: bool = False,
+                      ) -> AsyncIterator[RequestOutput]:
+        """The stream's outputs with failures mapped to OpenAIError; closing aborts.
+
+        A request the server aborts (the shutdown timeout ran out) is a 503 with Retry-After
+        while no response byte has gone out: the client retries elsewhere and gets a whole
+        answer. A stream has already sent its 200 and part of the text: with `finish_aborted`
+        it ends as vLLM ends it, each unfinished choice with `finish_reason: "abort"` (what
+        clients count), then usage and [DONE], no error event."""
+        last = None
         try:
             async for out in stream:
+                last = out
                 yield out
+        except RequestAbortedError as e:
+            if not finish_aborted:
+                raise self.map_error(e) from e
+            yield _aborted(stream, last)
         except Exception as e:  # noqa: BLE001 - mapped to a status, never a crash
             raise self.map_error(e) from e
         finally:
@@ -173,18 +191,18 @@ class OpenAIServing:
             raise
         return streams
 
-    async def iterate_many(self, streams: list[RequestStream],
+    async def iterate_many(self, streams: list[RequestStream], finish_aborted: bool = False,
                            ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Several engine requests at once, outputs interleaved as they come."""
         if len(streams) == 1:
-            async for out in self.iterate(streams[0]):
+            async for out in self.iterate(streams[0], finish_aborted):
                 yield 0, out
             return
         merged: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, stream: RequestStream):
             try:
-                async for out in self.iterate(stream):
+                async for out in self.iterate(stream, finish_aborted):
                     merged.put_nowait((i, out))
             except Exception as e:  # noqa: BLE001 - handed to the consumer
                 merged.put_nowait((i, e))
@@ -204,6 +222,19 @@ class OpenAIServing:
             for s in streams:
                 s.close()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _aborted(stream: RequestStream, last: RequestOutput | None) -> RequestOutput:
+    """The final output of an aborted request: what was generated, unfinished choices ending
+    with finish_reason "abort"."""
+    done = {c.index: c for c in last.outputs} if last is not None else {}
+    outputs = [dataclasses.replace(done[i], finish_reason=done[i].finish_reason or "abort")
+               if i in done else CompletionOutput(i, "", [], finish_reason="abort")
+               for i in range(stream.num_seqs)]
+    return RequestOutput(stream.request_id, None,
+                         last.prompt_token_ids if last is not None else [],
+                         last.prompt_logprobs if last is not None else None, outputs,
+                         finished=True)
 
 
 def _max_seqs() -> int:
