@@ -692,7 +692,7 @@ void linear_argmax_out(const at::Tensor& x, const at::Tensor& weight, const at::
   int* counters = fast_path(x, weight) ? arrival_counters(CounterUser::kLmHeadArgmax, kArgmaxCounterInts, stream)
                                        : nullptr;  // null also while capturing before the first call
   if (counters == nullptr) {  // cuBLAS or the plain kernel, then argmax_rows: two kernels
-    linear_out(x, weight, out);
+    compilelm::cuda::linear_out(x, weight, out);  // (qualified: ADL would also find at::linear_out)
     argmax_rows_into(out, argmax);
     return;
   }
