@@ -10,14 +10,13 @@ one decode row per sequence, every sequence at the full context, called as a ful
 calls it (max_query_len=1). Cache layouts (`--layouts`): slot_major = [num_blocks, block_size,
 num_kv_heads, head_size] contiguous (a slot's heads side by side; the engine's), head_major =
 [num_blocks, num_kv_heads, block_size, head_size] (a block of one head is one contiguous run),
-passed as the permuted view. On an H100 (results/bench_attention.json, 0aca49d) the two are within
-3% of each other at every point: the kernel's 256-byte row reads are not what limits it. Bandwidth = KV bytes the kernel
-must read (batch x context x kv heads x head_size x 2 bytes x K and V) / time. Copy bandwidth
-= bytes read + written by 1 GiB device-to-device copies, the faster of cudaMemcpy and an
-elementwise kernel (both recorded), measured in the same run. Each point is CUDA-graph replays (how
-the engine runs decode), median over --iters replays after warm-up; small shapes rotate over
-several block tables on disjoint pages (and SDPA over several KV tensors) so that L2 does not
-serve them. Target: >= 80% of the copy bandwidth where batch x context >= 256k tokens.
+passed as the permuted view (on an H100 the two were within 3% of each other at every point:
+docs/perf.md, "Paged attention"). Bandwidth = KV bytes the kernel must read (batch x context x
+kv heads x head_size x 2 bytes x K and V) / time. Copy bandwidth = bytes read + written by 1 GiB
+device-to-device copies, the faster of cudaMemcpy and an elementwise kernel (both recorded),
+measured in the same run. Each point is CUDA-graph replays (how the engine runs decode), median
+over --iters replays after warm-up; small shapes rotate over several block tables on disjoint
+pages (and SDPA over several KV tensors) so that L2 does not serve them. Target: >= 80% of the copy bandwidth where batch x context >= 256k tokens.
 
 Prints a table and writes JSON (default benchmarks/results/bench_attention.json). No asserts.
 """

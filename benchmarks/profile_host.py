@@ -5,8 +5,7 @@ of `engine.step()` is taken over `--steps` steps; `--profile-steps` more run wit
 step timed (PHASES: schedule, prepare_step, run_step, _sample, _process_step), and as many again
 under cProfile, whose functions with the most own time are printed. With async scheduling a step costs
 max(host, GPU) instead of host + GPU, so the gap between the two medians is the host time hidden
-behind the GPU. (benchmarks/results/profile_host_gpu.log is this script's output before it
-wrote JSON.)
+behind the GPU. Past results: docs/perf.md, "Host overhead and async scheduling".
 
     python benchmarks/profile_host.py [--model dummy:smollm2-135m] [--batch 64] [--context 1024]
 """

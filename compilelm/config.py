@@ -76,7 +76,8 @@ class EngineConfig:
     quantization: str | None = None  # "fp8": W8A8 linears (compilelm/layers/quantization)
     tensor_parallel_size: int = 1  # ranks, one process each (compilelm/runtime/executor.py)
     # TP on CUDA: the smallest all-reduce (bytes) that takes the one-shot peer-memory kernel;
-    # None = 1 MiB (below it NCCL wins on 2 x H100), 0 = every size it takes, -1 = NCCL only.
+    # None = 1 MiB (below it NCCL is faster: docs/perf.md, "Tensor parallel all-reduce"),
+    # 0 = every size it takes, -1 = NCCL only.
     custom_all_reduce_min_bytes: int | None = None
 
     def __post_init__(self):

@@ -1,18 +1,16 @@
 """The one-shot all-reduce's peer buffers (CUDA, 2..8 ranks of one host).
 
-NCCL's all-reduce costs tens of microseconds even for the few KB of a decode step. The one-shot
-kernel (csrc/cuda/allreduce_kernels.cu) is one launch: every rank stages its rows in a buffer
-that all ranks can read (NVLink peer memory), meets its peers at a barrier of flags in those
+NCCL's all-reduce has a fixed cost even for the few KB of a decode step. The one-shot kernel
+(csrc/cuda/allreduce_kernels.cu) is one launch: every rank stages its rows in a buffer that all
+ranks can read (NVLink peer memory), meets its peers at a barrier of flags in those
 buffers, and sums every rank's rows itself, with the residual add and the RMSNorm in the same
 pass. It reads `world_size` times the data, so it is for small tensors; larger ones, and
 anything it does not take, go to NCCL.
 
-Measured on 2 x H100 (NV18, benchmarks/results/allreduce_fusion_gpu.json): 23 us vs NCCL + the
-norm kernel's 33 us at 256 x 4096 bf16 (22 vs 37 in an earlier run), but 1.4-2.1 us slower at
-1-64 tokens (0.5-1.4 earlier), where each call's two barriers (a system-scope CAS on the peer's
-flag, then a wait) cost more than NCCL's LL protocol. Pushing the rows into the peers' buffers
-with flags carried in the data (no barrier, one one-way trip) is the known way to win at decode
-sizes.
+It beats NCCL + the norm kernel on a few hundred tokens and loses at decode sizes, where each
+call's two barriers (a system-scope CAS on the peer's flag, then a wait) cost more than NCCL's LL
+protocol (docs/perf.md, "Tensor parallel all-reduce"); pushing the rows into the peers' buffers
+with flags carried in the data (no barrier, one one-way trip) is the known way to win there.
 
 Each rank allocates one buffer of `FLAG_BYTES + max_bytes` and maps every peer's buffer into its
 process through CUDA IPC handles (torch's storage sharing, `_share_cuda_`, gathered over the
@@ -24,7 +22,7 @@ capturable. `close_custom_all_reduce` drops the buffers when the engine leaves t
 Not torch symmetric memory: its rendezvous keeps per-process state (the group's store by group
 name, a sequence number per exchange) that a second engine in the same process, with fresh
 worker processes, no longer shares with its peers, so that engine's rendezvous waited forever
-(seen on 2 x H100 with two TP=2 engines in one pytest process).
+(seen with two TP=2 engines in one pytest process).
 """
 
 from __future__ import annotations
@@ -35,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-# Below this the one-shot kernel loses to NCCL on 2 x H100 (64 x 4096 bf16 = 512 KiB: 0.97x;
-# 256 x 4096 = 2 MiB: 1.64x), so smaller tensors go to NCCL until the barrier-free rewrite.
+# Below this the one-shot kernel loses to NCCL (docs/perf.md, "Tensor parallel all-reduce"), so
+# smaller tensors go to NCCL until the barrier-free rewrite.
 MIN_BYTES = 1 << 20
 
 logger = logging.getLogger(__name__)
@@ -73,7 +71,7 @@ class CustomAllReduce:
     def close(self, peers_present: bool) -> None:
         """Every rank releases its mappings of its peers' buffers before any rank frees the buffer
         its peers mapped: torch parks a shared block that a peer still maps until that peer lets
-        go, and a rank that exits with blocks parked may crash at exit (seen: SIGSEGV on 2 x H100)."""
+        go, and a rank that exits with blocks parked may crash at exit (seen: SIGSEGV)."""
         torch.cuda.synchronize(self.buffer.device)
         self.buffers, self.buffer_ptrs = [], []
         if peers_present:

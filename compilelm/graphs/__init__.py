@@ -2,8 +2,8 @@
 compile cache and dumps. Entry point: `compile_model(model, CompileConfig(...), cache_key_factors)`.
 
 `CompiledModel` and `compile_model` are imported on first use: they bring in Dynamo, Inductor
-and the pass manager (~1.5 s), which an eager engine (`-O0`) or reading a `CompileConfig` never
-needs."""
+and the pass manager, a large share of startup (docs/perf.md, "Compile and warm start"), which
+an eager engine (`-O0`) or reading a `CompileConfig` never needs."""
 
 from compilelm.graphs.config import CompileConfig, default_cache_dir
 from compilelm.graphs.counters import compile_counters

@@ -1,12 +1,12 @@
 """Inductor's kernel templates, compiled on first use instead of at import.
 
 Importing Inductor's lowering builds ~20 `TritonTemplate`s (mm, bmm, conv, flex attention, ...),
-and each compiles its jinja2 source as it is constructed: ~0.2 s of every process that loads the
-compiler (a fifth of the compiler's own import on the CPU dev machine), on a warm start's
-critical path, where no template is ever rendered (only max-autotune's template choices render
-them). Importing this module (compiler.py and the pass base do, before any Inductor kernel module
-loads) makes `KernelTemplate._template_from_string` return a `LazyTemplate`, which compiles the
-source with Inductor's own function the first time anything of the template is used.
+and each compiles its jinja2 source as it is constructed: time in every process that loads the
+compiler (docs/perf.md, "Compile and warm start"), on a warm start's critical path, where no
+template is ever rendered (only max-autotune's template choices render them). Importing this
+module (compiler.py and the pass base do, before any Inductor kernel module loads) makes
+`KernelTemplate._template_from_string` return a `LazyTemplate`, which compiles the source with
+Inductor's own function the first time anything of the template is used.
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 layer once.
 
 AOTAutograd functionalizes and decomposes a graph op by op under symbolic shapes. On a whole
-model that is the slowest step of a cold start: ~2,200 aten ops for the 30 layers of SmolLM2-135M,
-~6 s on a laptop-class CPU and ~10 s on the H100 machine's host, more than Inductor takes. But the
-layers are one program run on different weights. So Dynamo's graph is split at the splitting
+model that is the slowest step of a cold start, more than Inductor takes (docs/perf.md, "Compile
+and warm start"). But the layers are one program run on different weights. So Dynamo's graph is split at the splitting
 ops first (graphs/split.py), each *distinct* piece (by `piece_key`: typically the first, a middle
 and the last) goes through AOTAutograd once, and the whole-model aten graph is assembled by
 copying a piece's aten graph in at each of its call sites, with the splitting ops in between:

@@ -40,13 +40,13 @@ class InputBuffers:
 
     (T tokens, S sequences, W block-table width, L logits rows, P pending rows), each field at a
     16-byte aligned offset: Inductor copies a misaligned input of a compiled piece to an aligned
-    buffer before every call (at batch 1 `positions`, 8 bytes in, took a memcpy node per piece
-    that takes it, ~2.5 us of a decode graph each on an H100). It has two pinned
-    host twins used in turn: with async scheduling the host fills step N+1's inputs while step N's
-    copy may still be waiting in the stream, so step N+1 writes the other twin. Before a twin is
-    rewritten, the event recorded after its last copy is waited on (already passed in practice:
-    the engine has waited for step N-1's output by then). Seven copies a step became one: at batch
-    1 each small copy is a microsecond of GPU time and a launch gap in front of the graph.
+    buffer before every call, a memcpy node per piece in the decode graph (docs/perf.md, "CUDA
+    graphs"). It has two pinned host twins used in turn: with async scheduling the host fills
+    step N+1's inputs while step N's copy may still be waiting in the stream, so step N+1 writes
+    the other twin. Before a twin is rewritten, the event recorded after its last copy is waited
+    on (already passed in practice: the engine has waited for step N-1's output by then). One copy
+    a step, not one per input: at batch 1 each small copy is GPU time and a launch gap in front of
+    the graph.
 
     input_ids is also where a full graph leaves each row's argmax (its greedy next token): a step
     whose first rows decode exactly those tokens, row for row, copies from past them (`in_place`)."""

@@ -145,7 +145,8 @@ def build_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype, de
     """`quantization="fp8"` quantizes the linears after loading (FP8 checkpoints are read as such)."""
     cls = get_model_class(config)
     # The parameters are made on the device, in `dtype`, with torch.empty (no init kernels, no
-    # fp32 copy; on meta, `to_empty` runs torch's Python meta kernels: ~0.3 s of a warm start);
+    # fp32 copy; on meta, `to_empty` runs torch's Python meta kernels: docs/perf.md, "Compile and
+    # warm start");
     # RoPE's cos/sin tables are computed there in fp32 (explicit dtypes).
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

@@ -3,25 +3,20 @@ linear's CUDA-core kernel (1-2 rows) and cuBLAS (prefill); with silu_mul, the ML
 projection and its SiLU-and-mul in one kernel: `out = silu(x @ gate.T) * (x @ up.T)`, weight =
 gate | up ([2I, K]).
 
-At 3-64 rows a linear layer is still a stream over its weight. cuBLAS reaches ~2.2-2.7 TB/s on
-Llama-3.1-8B's layers at M = 64 on an H100 (read-only streaming reaches ~3.1): its kernels are
-short (15-90 us), and each loses its ramp and tail, where fewer blocks stream than the GPU holds.
-This kernel (Triton: TMA loads of x and weight tiles into a `STAGES`-deep shared ring, wgmma with
-the weight tile as the A operand, so x's rows are the narrow N extent) launches with programmatic
-dependent launch like csrc/cuda/launch.cuh's kernels: it waits for the kernel before it
-(`gdc_wait`) before it reads x or writes out, then lets the next kernel launch at once, so its
-blocks are resident while the previous kernel drains. Tiles were chosen on an H100 over
-BN 32/64/128 x stages 3/4/6 x BM 16/32/64 x split-K 1-8 x both operand orders, at M = 3..64
-(benchmarks/results/hopper_gemm_gpu.log): split-K never won; x as the A operand (BM = 64 rows
-always) lost up to 50% at M <= 32.
+At 3-64 rows a linear layer is still a stream over its weight, and cuBLAS's short kernels each
+lose their ramp and tail, where fewer blocks stream than the GPU holds. This kernel (Triton: TMA
+loads of x and weight tiles into a `STAGES`-deep shared ring, wgmma with the weight tile as the A
+operand, so x's rows are the narrow N extent) launches with programmatic dependent launch like
+csrc/cuda/launch.cuh's kernels: it waits for the kernel before it (`gdc_wait`) before it reads x
+or writes out, then lets the next kernel launch at once, so its blocks are resident while the
+previous kernel drains. No split-K, and the weight as the A operand: the tile sweep behind
+`tile_config` is in docs/perf.md, "The Hopper GEMM at 3-64 rows".
 
 The SiLU-and-mul epilogue: each block streams BN / 2 gate rows and the BN / 2 up rows that pair
 with them (two TMA loads from one descriptor, two accumulators: the same bytes per k step as a
 plain BN tile), then rounds both products to the output type and applies SiluAndMul's roundings,
 T(T(silu(gate)) * up), before one store of [M, BN / 2]. No silu_and_mul kernel after the GEMM, and
-the [M, 2I] product is never written. On an H100 (Llama-3.1-8B's gate_up, L2 cold) the fused kernel
-takes as long as the plain GEMM: 80.8 us at M = 16, 84.2 us at M = 64, ~2.8-2.9 TB/s; neither 8
-warps nor BK 64 nor other stage counts did better (results/hopper_silu_epilogue_sweep_543296e.json).
+the [M, 2I] product is never written; the fused kernel streams as fast as the plain one.
 
 The RoPE epilogue (hopper_mm_rope_out): a QKV projection, weight rows q | k | v heads, whose blocks
 rotate their own output and write it where rope_and_cache would: the rotated query to q_out, the
@@ -30,8 +25,7 @@ dimension j of a head with j + D/2, 64 rows apart, so each block reads its weigh
 TMA view [2 * heads, D / 2, K] in boxes [2, 32, BK]: the 32 pairs j..j+31 of one head, 64 rows.
 Triton gives the reshaped box to wgmma from registers (a load from shared memory per k step) and
 still streams as fast as the plain kernel; the epilogue rounds as rope_and_cache's kernel does
-(bit-identical). On an H100, 8 Llama-3.1-8B decode layers at batch 64: 272.3 -> 269.1 us a layer
-against the plain kernel then rope_and_cache (benchmarks/results/qkv_rope_hopper_gpu.log).
+(bit-identical).
 
 C++ calls this op (csrc/cuda/skinny_mm.cu: `decode_mm`, and gate_up_silu_mul with silu_mul) where its kernel does not take the rows
 and the weight is large enough to gain (N * K >= 8M elements, K >= 1024); `compilelm::set_hopper_gemm(False)`
@@ -83,8 +77,9 @@ PART_ROWS = 64  # row stride of the norm's partial sums of squares (compilelm/op
 def tile_config(m: int, n: int, silu_mul: bool = False) -> tuple[int, int, int, int]:
     """(BM, BN, BK, stages) for m rows of a weight with n rows. BM: m rounded up to 16/32/64 (the
     wgmma N extent: x's tile is the B operand, the weight's the A operand, so a few rows waste
-    little). Best or within 1.5% on every Llama-3.1-8B layer shape at m = 3..64 on an H100. The
-    ring (stages x (BN + BM) x BK x 2 bytes) stays within the 227 KB of shared memory a block gets.
+    little); the tiles come from a sweep over Llama-3.1-8B's layer shapes (docs/perf.md, "The
+    Hopper GEMM at 3-64 rows"). The ring (stages x (BN + BM) x BK x 2 bytes) stays within the
+    227 KB of shared memory a block gets.
     silu_mul: BN weight rows = BN / 2 of gate and BN / 2 of up, each half at least a wgmma's 64."""
     bm = max(16, 1 << (m - 1).bit_length())
     if n >= 16384 or silu_mul:  # gate_up, LM head

@@ -3,8 +3,9 @@
 `define` registers the decorated function as `compilelm::<schema>` with one kernel for every device
 (CompositeExplicitAutograd) and a fake impl, through torch.library's low-level API rather than
 `torch.library.custom_op`: these ops run eagerly between the compiled pieces (or inside them, as
-graph nodes that call our C++ kernels), and custom_op wraps every call in Python checks that cost
-about 2 us a call (device dispatch, output aliasing).
+graph nodes that call our C++ kernels), and custom_op wraps every call in Python checks (device
+dispatch, output aliasing) that cost host time on every step (docs/perf.md, "Host overhead and
+async scheduling").
 """
 
 from __future__ import annotations

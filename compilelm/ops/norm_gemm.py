@@ -18,11 +18,9 @@ linear, the fused add + RMSNorm kernel, then the second projection.
 
 Rounding: the reference (the CPU kernels) rounds h * rstd to the input type before the second
 GEMM, as the unfused graph; the fast path scales the fp32 product instead and rounds once, so its
-outputs differ from the reference in the last bit of some elements. Why not the reference's
-roundings: normalizing each h tile in registers before the wgmma (or applying the weight there)
-cost ~20 us a Llama-3.1-8B layer in Triton 3.6, and a grid barrier in the producer ~4 us a norm
-(benchmarks/results/decode_session23_gpu.log). The saving this way: ~1.5 us a layer on an H100
-(Llama-3.1-8B batch 64, 8.809 -> 8.756 ms a step; compilelm/passes/fusion/fuse_norm_gemm.py).
+outputs differ from the reference in the last bit of some elements. The reference's roundings
+would need each h tile normalized in registers before the wgmma, or a grid barrier in the
+producer, and both cost more than the fusion saves (docs/perf.md, "fuse_norm_gemm").
 """
 
 import functools

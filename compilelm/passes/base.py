@@ -102,10 +102,11 @@ class CompilePass(CustomGraphPass):
 class FusionPass(CompilePass):
     """A pass made of `pattern_<what>` / `replace_<what>` pairs (see the module docstring).
 
-    `register()` runs on first use of `patterns`, not at construction: tracing a pattern costs
-    ~50 ms (make_fx of the pattern and of its replacement, per dtype), and most passes never see
-    a graph they apply to (FP8 fusions on a bf16 model, the all-reduce fusion at TP 1, every
-    pass on a warm start that loads its pieces from the compile cache)."""
+    `register()` runs on first use of `patterns`, not at construction: tracing a pattern (make_fx
+    of the pattern and of its replacement, per dtype) is startup time (docs/perf.md, "Compile and
+    warm start"), and most passes never see a graph they apply to (FP8 fusions on a bf16 model, the
+    all-reduce fusion at TP 1, every pass on a warm start that loads its pieces from the compile
+    cache)."""
 
     def __init__(self, config: PassConfig | None = None):
         super().__init__(config)

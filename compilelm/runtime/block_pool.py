@@ -8,9 +8,9 @@ a later request with the same prefix can take it back (`touch`) instead of recom
 
 Blocks are made on first use. The free queue starts as every block but the null block, in id
 order, and a freed block joins its tail, behind all the never-used ones: so the never-used blocks
-(ids `_fresh` and up) are handed out first, in id order, and only they need no object yet. (An
-H100's KV cache of SmolLM2-135M is 131,072 blocks: making them all up front took 73 ms of
-startup, timed on the 2-core CPU dev machine.)
+(ids `_fresh` and up) are handed out first, in id order, and only they need no object yet: a
+GPU's KV cache has so many blocks that making every object up front lengthens startup
+(docs/perf.md, "Compile and warm start").
 """
 
 from __future__ import annotations

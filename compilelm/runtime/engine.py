@@ -35,8 +35,7 @@ def _no_automatic_gc():
     """No automatic garbage collection inside (explicit `gc.collect()` still runs). An engine's
     startup makes little cyclic garbage but hundreds of thousands of long-lived objects (Dynamo's
     and Inductor's modules, imported on the way, the model, the KV block pool), and each full
-    collection walks all of them: in a warm CPU start of smollm2-135m (4.9 s) collections took
-    0.39 s; paused, the one young collection after startup takes 0.11 s."""
+    collection walks all of them (docs/perf.md, "Compile and warm start")."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -122,8 +121,8 @@ class LLMEngine:
         self.num_generation_tokens_total = 0
         # Everything alive now (modules, graphs, the model, the block pool) leaves the garbage
         # collector's generations: every step makes garbage (outputs, plans), and each full
-        # collection would walk all of it (a third of the host's time per step in a 256-request
-        # decode loop). No collection first: startup garbage is small, a collection ~0.1 s.
+        # collection would walk all of it (docs/perf.md, "Host overhead and async scheduling").
+        # No collection first: startup garbage is small, and a collection is not free.
         gc.freeze()
 
     def _check_kv_blocks(self, blocks: int) -> int:

@@ -12,10 +12,9 @@ import torch
 from compilelm.distributed.parallel_state import kv_heads_per_rank
 from compilelm.graphs.cudagraph.dispatch import graph_sizes
 
-# Device memory of a captured graph beyond the pool it allocates from (the instantiated graph):
-# on an H100, smollm2-135m -O2 took 438 MiB for 31 pieces x 51 sizes (~250 KiB a piece graph, once
-# the pool and attention copies are taken out) and 12 MiB more for 11 full decode graphs. Piece
-# graphs are instantiated on first replay (graphs/cudagraph/piecewise.py), after the KV cache is sized: the
+# Device memory of a captured graph beyond the pool it allocates from (the instantiated graph),
+# rounded up from what SmolLM2-135M's graphs took (docs/perf.md, "CUDA graphs"). Piece graphs are
+# instantiated on first replay (graphs/cudagraph/piecewise.py), after the KV cache is sized: the
 # reserve keeps their memory free all the same.
 PIECE_GRAPH_BYTES = 256 * 2**10
 FULL_GRAPH_BYTES = 2 * 2**20

@@ -130,7 +130,7 @@ class ModelRunner:
     def release_graphs(self) -> None:
         """Drops the CUDA graphs; later steps run eagerly. A tensor-parallel rank does this before
         it leaves its NCCL group: destroying a communicator while graphs that captured its
-        collectives are alive hangs (pytorch/pytorch#115388; seen at TP=2 on 2 x H100)."""
+        collectives are alive hangs (pytorch/pytorch#115388; seen at TP=2)."""
         if self.piecewise_graphs is not None:
             for site in self.piecewise_graphs.sites.values():
                 site.graphs.clear()

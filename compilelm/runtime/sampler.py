@@ -138,8 +138,8 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1) (the first maximum; NaN counts as the maximum). On CUDA one kernel
-    (compilelm/ops/sampling.py) where torch's argmax spreads a row over few blocks (an H100 took
-    28 us for one row of Llama-3's 128,256 logits) and a max-then-argmax took five kernels."""
+    (compilelm/ops/sampling.py): torch's argmax spreads a row over few blocks and a
+    max-then-argmax takes five kernels (docs/perf.md, "The LM head and greedy argmax")."""
     if not x.is_cuda or x.shape[0] > 65535 or x.stride(-1) != 1:  # the kernel's grid and layout
         return x.argmax(dim=-1)
     return fused_argmax_rows(x)

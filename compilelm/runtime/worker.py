@@ -90,10 +90,10 @@ class Worker:
 def _prime_compiler() -> None:
     """While the weights load: import the compiler (Dynamo, Inductor, the passes) and compute
     Triton's source hash, which Inductor's cache keys need even when every piece comes from the
-    compile cache. The hash reads and hashes Triton's files (~0.5 s on the H100 machine), work
-    that releases the GIL, as does most of loading weights. The main thread imports the same
-    modules later (waiting for this import where it is still running) and redoes whatever fails
-    here, raising it there."""
+    compile cache. The hash reads and hashes Triton's files (docs/perf.md, "Compile and warm
+    start"), work that releases the GIL, as does most of loading weights. The main thread imports
+    the same modules later (waiting for this import where it is still running) and redoes
+    whatever fails here, raising it there."""
     try:
         import compilelm.graphs.compiler  # noqa: F401
         from torch.utils._triton import triton_hash_with_backend  # functools.cache

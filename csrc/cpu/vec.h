@@ -1,10 +1,11 @@
 // 8-lane fp32 SIMD for the CPU kernels, written with GCC/Clang vector extensions: no
 // ISA-specific intrinsics. Each op is one ymm instruction with AVX2 and two xmm on the x86-64
 // baseline (or the vector unit of another architecture). 8 lanes, not 16: GCC's AVX2 code for
-// 16-lane vectors spills and scalarizes (3x slower), and AVX-512 gained nothing over AVX2 here.
+// 16-lane vectors spills and scalarizes, and AVX-512 gains nothing over AVX2 here (docs/perf.md,
+// "CPU").
 // The build targets the baseline ISA (no -march=native); kernels put COMPILELM_CPU_CLONES on
 // their hot functions so GCC also emits an AVX2+FMA version and picks it at load time where the
-// CPU has it (2x on decode, 3x on prefill on a Sapphire Rapids core).
+// CPU has it.
 #pragma once
 
 #include <cstdint>

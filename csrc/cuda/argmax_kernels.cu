@@ -4,11 +4,10 @@
 // Block (chunk, row) reduces a chunk of its row's columns to (value, index); with more than one
 // chunk it writes that partial, counts its arrival in the row's counter, and the last block of
 // the row to arrive resets the counter and merges the row's partials. torch's argmax spreads one
-// row over few blocks, and a two-stage max then argmax took five kernels (~15 us at batch 1 on an
-// H100, between the LM head and the copy of the tokens to the host).
+// row over few blocks, and a two-stage max then argmax takes five kernels, between the LM head
+// and the copy of the tokens to the host.
 // Rows that start 16-byte aligned are read 16 bytes a load, in 8192-column chunks where the rows
-// still give two blocks an SM: Llama-3.1-8B's [64, 128256] bf16 logits 16.5 -> 11.1 us alone, the
-// LM head + argmax of a batch-64 step 377 -> 371 us (H100, results/decode_attention_block_tiles_gpu.log).
+// still give two blocks an SM (docs/perf.md, "The LM head and greedy argmax").
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

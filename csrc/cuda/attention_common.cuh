@@ -69,9 +69,8 @@ __device__ __forceinline__ int active_splits(int num_keys, int num_splits) {
 // The query row served by decode-kernel row x (a sequence, or with all_rows a query row):
 // false if there is none (not a decode row, or a padding row). All rows: where row x is sequence
 // x's only token (every row of a pure-decode batch but the padding) this is one round of loads
-// before the block table's; the search over cu_seqlens_q took two more at batch 1 and ~log2(rows)
-// more above (before the PDL wait, which SmolLM2-135M's batch-1 attention reached only after
-// ~1.8 us of these loads on an H100).
+// before the block table's; the search over cu_seqlens_q takes two more at batch 1 and ~log2(rows)
+// more above, all before the PDL wait.
 __device__ __forceinline__ bool locate_row(const AttentionParams& p, bool all_rows, int x, int& token, int& seq,
                                            int& num_keys) {
   if (!all_rows) {
@@ -202,7 +201,7 @@ __device__ __forceinline__ void store_decode_output(const AttentionParams& p, co
 // After a split's stores (all-rows launches with arrival counters, s.arrivals): the last split of
 // program blockIdx.x to finish merges its heads [head0, head0 + num_q). The block's partials are
 // ordered before its count by the barrier and one thread's fence (release; a fence in every thread
-// stalled each block's end: Llama-3.1-8B batch 64 attention 123 -> 130 us on an H100), the last one
+// stalls each block's end), the last one
 // fences again before reading (acquire); the counter is reset for the next launch. s_last and
 // s_weight ([num_q][kMaxSplits] floats) are shared memory.
 template <typename T>

@@ -1,34 +1,28 @@
 // Kernel launches with programmatic dependent launch (PDL, Hopper): a kernel may start while the
 // kernel before it on the stream finishes, and waits for it in `wait_for_prior_kernels()`.
 //
-// A decode step at batch 1 is a chain of ~8 short kernels per layer (SmolLM2-135M: ~250 in one
-// CUDA graph, 2-5 us each), so the gap between two kernels (the next one's launch, its blocks'
+// A decode step at batch 1 is a chain of ~8 short kernels per layer (a few hundred in one CUDA
+// graph for a small model), so the gap between two kernels (the next one's launch, its blocks'
 // start, the memory flush) is a large share of the step. With PDL the next kernel's blocks are
 // resident before the previous one ends. Stream capture keeps these as programmatic edges in the
-// CUDA graph. Measured on an H100 (benchmarks/results/bench_decode.json, --pdl both): SmolLM2-135M
-// batch 1 0.888 -> 0.791 ms per step (graph 0.807 -> 0.714); Llama-3.1-8B batch 1 5.98 -> 5.96 ms;
-// batch 64 unchanged.
+// CUDA graph. Measurements: docs/perf.md, "Programmatic dependent launch (PDL)".
 //
 // Contract of every kernel launched with `launch_kernel`: it calls `wait_for_prior_kernels()`
 // before it reads anything the kernel just before it may write and before it writes anything (an
 // earlier kernel may still read it), then `allow_dependent_kernels()` at once: the next kernel's
 // blocks may start and wait in turn. So at most one kernel runs ahead, and every kernel older
 // than the one just before is complete when a kernel starts. (Allowing dependents before the
-// wait in every kernel let ~6 kernels run ahead, each holding blocks in its wait: SmolLM2-135M's
-// batch-1 graph went 0.68 -> 0.71 ms on an H100.)
+// wait in every kernel let several kernels run ahead, each holding blocks in its wait: slower.)
 //
 // Two exceptions allow their dependent at their start:
-// - in small models (rope_cache_kernels.cu: query width <= 1024) rope_and_cache, so decode
-//   attention reads its metadata, block table and older context rows while the QKV projection
-//   two kernels back still runs: the chain of dependent loads before attention's wait (~3 us at
-//   batch 1) was otherwise exposed. (H100, SmolLM2-135M batch 1: graph 0.677 -> 0.642 ms, step
-//   0.708 -> 0.674 ms; .gpu_tune chain of 30 layers 21.4 -> 20.4 us per layer. At Llama-3.1-8B
-//   shapes it cost 5.80 -> 5.94 ms at batch 1.)
+// - in small models (rope_cache_kernels.cu: query width <= kSmallModelQueryWidth) rope_and_cache,
+//   so decode attention reads its metadata, block table and older context rows while the QKV
+//   projection two kernels back still runs: the chain of dependent loads before attention's wait
+//   was otherwise exposed. (In wide models the early attention blocks hold SMs the projection's
+//   weight stream needs.)
 // - the (add +) RMSNorm variants of linear (skinny_mm.cu: the QKV and gate_up projections
 //   at batch 1-2), so rope_and_cache / decode attention and down_proj's weight stream start
-//   while the projection still waits and normalizes. (H100, SmolLM2-135M batch 1: graph
-//   0.604 -> 0.598-0.599 ms, step 0.624-0.626 -> 0.619-0.620 ms; Llama-3.1-8B batch 1 unchanged,
-//   5.830-5.834 -> 5.826-5.830 ms; the same for every linear variant: 0.605-0.608 ms.)
+//   while the projection still waits and normalizes.
 // A kernel may therefore start before the ones two or three back are complete; what it reads
 // before its wait is never written during a forward, and its wait returns only after the kernel
 // just before, which itself waited for the one before it.
@@ -37,9 +31,7 @@
 // (parameters, the RoPE cos/sin table), a step's metadata (positions, slots, sequence lengths,
 // block tables: copied from the host before the step) and the KV cache rows of earlier steps.
 // linear starts its weight stream there, decode attention its first context rows,
-// rope_and_cache its cos/sin: these loads overlap the kernel before. (Paged attention alone, 30
-// calls in a graph on an H100: 7.6 -> 6.6 us at SmolLM2-135M batch 1, 13.1 -> 11.0 us at
-// Llama-3.1-8B batch 1; whole decode steps changed within 1%.)
+// rope_and_cache its cos/sin: these loads overlap the kernel before.
 // Kernels launched the ordinary way (Inductor's, cuBLAS) wait for full completion as before.
 //
 // `compilelm::set_programmatic_launch(False)` (csrc/ops.cpp) launches without the attribute

@@ -112,13 +112,11 @@ void run_attention(AttentionCall& call, const at::Tensor& out, int64_t max_query
 }
 
 // A pure-decode batch in one kernel where the decode kernel covers it (launchers.h) and the model
-// is not small, else the two ops. On an H100, 4 alternating runs of bench_decode at batch 1:
-// Llama-3.1-8B graph 5.815-5.822 -> 5.798-5.800 ms; SmolLM2-135M (query width 576) 0.605-0.607 ->
-// 0.618-0.621 ms, because there rope_and_cache lets attention start one kernel earlier
-// (kSmallModelQueryWidth), which hides attention's loads before its PDL wait; one kernel fewer
-// did not make up for it. The fused kernel writes the cache rows of the batch's sequences only:
-// rows past the last sequence (padding) must have slot -1, as the engine's do; rope_and_cache
-// would write any slot it is given.
+// is not small, else the two ops: in a small model rope_and_cache lets attention start one
+// kernel earlier (kSmallModelQueryWidth), which hides attention's loads before its PDL wait
+// better than one kernel fewer would (docs/perf.md, "fuse_rope_attention"). The fused kernel
+// writes the cache rows of the batch's sequences only: rows past the last sequence (padding) must
+// have slot -1, as the engine's do; rope_and_cache would write any slot it is given.
 at::Tensor rope_paged_attention(
     const at::Tensor& positions,
     const at::Tensor& query,

@@ -63,11 +63,9 @@ __device__ __forceinline__ uint4 load_stream(const void* ptr) {
 
 // Rows in flight per row group (kUnroll): 4, or 2 where a program's registers would cap it at 3
 // blocks per SM and the launch has waves to fill: with GP >= 8, and with GP = 4 at head_size >= 128
-// outside a cluster (the multi-wave launches). Llama-3.1-8B shapes (GP 4, D 128) on an H100,
-// context 1024: 168 -> 128 registers, batch 64 125.8 -> 101.2 us, batch 256 413 -> 396 us, but
-// batch 1 8.7 -> 9.6 us (one wave: fewer loads in flight per program), so clusters keep 4. (8 in
-// clusters, a SmolLM2-135M split of 128 keys in one step, shortened the key loop 3.1 -> ~2.5 us
-// but lengthened the loads before the PDL wait 1.8 -> 2.7 us: its 30-layer chain lost 1 us/layer.)
+// outside a cluster (the multi-wave launches). A one-wave launch wants more loads in flight per
+// program, so clusters keep 4 (8 lengthens the loads before the PDL wait more than it shortens
+// the key loop). Measurements: docs/perf.md, "Paged attention".
 template <typename T, int D, int GP, bool kCluster>
 struct DecodeTile {
   static constexpr int kVec = 16 / sizeof(T);                     // elements per 16-byte load
@@ -82,10 +80,9 @@ struct DecodeTile {
 // s_out [GP][D] and log2-sum-exp s_lse [GP]; the blocks share the row's num_q x D outputs, each
 // reading the other splits' shared memory, out = sum_s w_s o_s, w_s = 2^(lse_s - max) / sum.
 // The second barrier keeps every block (and its shared memory) alive until all reads are done.
-// Measured on an H100 at SmolLM2-135M batch 1 (clock64 stamps per block, and a 30-layer chain):
-// this merge takes ~2.1 us after the blocks' own merge. Pushing every partial into the first
-// block's shared memory instead (one barrier, one block merging) spent that time on the remote
-// stores (block merge 1.1 -> 1.7 us) and the first block's merge: chain 19.8 -> 22.0 us per layer.
+// (Pushing every partial into the first block's shared memory instead, one barrier and one block
+// merging, was slower: the remote stores and the one block's merge; docs/perf.md, "Paged
+// attention".)
 template <typename T, int D>
 __device__ void merge_in_cluster(const AttentionParams& p, int token, int head0, int num_q, const float* s_out,
                                  const float* s_lse) {
@@ -396,8 +393,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 
   // Merge the row groups' softmax states: the row groups of a warp (lanes lane_in_row + j * kLanes
-  // hold the same elements) with shuffles, then the warps' through shared memory. (Every row group
-  // through shared memory took ~1.1 us at SmolLM2-135M batch 1 on an H100: 16 states per output.)
+  // hold the same elements) with shuffles, then the warps' through shared memory (rather than every
+  // row group's state, 16 per output, through shared memory: slower).
 #pragma unroll
   for (int offset = kLanes; offset < 32; offset *= 2) {
 #pragma unroll
@@ -516,12 +513,10 @@ int resident_clusters_16() {
 // Splits of a pure-decode launch of `programs` programs as thread block clusters (at most 16
 // splits each), merged there (no workspace); 0: no cluster launch. Only on sm_90+, where the
 // launch's clusters are all resident at once (at most one block per SM) and a split has at most
-// kMaxClusterSplitKeys keys. On an H100 (Llama-3.1-8B heads, bench_attention at 5d391f5 against
-// 0aca49d) 8-block clusters won at batch 1 up to 2048 keys (16.4 -> 14.5 us; SmolLM2-135M at
-// 1024 keys 6.6 -> 5.4 us) and lost where a launch filled the SMs (batch 16 x 2048: 384 blocks,
-// 64 -> 86 us; batch 64: 126 -> 140 us) or where 8 splits were too few (batch 1 x 8192: 30 -> 45
-// us). 16-block clusters (non-portable) halve a split: at SmolLM2-135M batch 1 the key loop of
-// two 64-key steps took 3.1 us, one step 1.6 us.
+// kMaxClusterSplitKeys keys: clusters win at small batches over short contexts and lose where a
+// launch fills the SMs or where their splits are too few for the keys. 16-block clusters
+// (non-portable) halve a split, and so the key loop. Measurements: docs/perf.md, "Paged
+// attention".
 template <typename T, int D, int GP, bool kRope>
 int cluster_splits(int64_t programs, int64_t max_context) {
   if (!cluster_merge_enabled() || at::cuda::getCurrentDeviceProperties()->major < 9) return 0;

@@ -5,30 +5,19 @@
 // A program = (query row, kv head, split), as in the CUDA-core kernel. The group's query heads
 // are the 16 rows of an mma.sync m16n8k16 A operand (rows past the group: zeros), so S = Q K^T
 // and O += P V over 16 keys are 32 tensor-core instructions (head_size 128) where the CUDA-core
-// kernel issues ~1100 (FMAs, the dot products' shuffles, widening): at Llama-3.1-8B batch 64 that
-// kernel takes as long on an H200 (4.8 TB/s) as on an H100 (~106 us a layer): its instruction
-// issue, not memory, bounds it. Each warp streams its own
-// tiles of 16 keys (tile t of the split goes to warp t % 4) through a kStages-deep cp.async ring
-// in shared memory, so two tiles per warp are in flight while it computes a third, with no block
-// barrier in the key loop. The warps' softmax states merge at the end, and the split's output,
-// partial and last-split merge are the CUDA-core kernel's (attention_common.cuh). As in the
-// prefill kernel the softmax weights are rounded to the operand type before P @ V.
+// kernel issues ~1100 (FMAs, the dot products' shuffles, widening): that kernel is bound by its
+// instruction issue, not by memory. Each warp streams its own tiles of 16 keys (tile t of the
+// split goes to warp t % 4) through a kStages-deep cp.async ring in shared memory, so two tiles
+// per warp are in flight while it computes a third, with no block barrier in the key loop. The
+// warps' softmax states merge at the end, and the split's output, partial and last-split merge
+// are the CUDA-core kernel's (attention_common.cuh). As in the prefill kernel the softmax weights
+// are rounded to the operand type before P @ V. RoPE stays out of this kernel (rope_and_cache runs
+// before it): inside, it cost more than the kernel it saves. Measurements: docs/perf.md, "Paged
+// attention".
 //
-// Measured (benchmarks/results/decode_mma_ab_gpu.log, bench_attention_0370761.json), 8B heads:
-// bench_attention on an H100, batch 64 x 1024 keys 105 -> 101 us, 256 x 2048 793 -> 752 us; in
-// the 8B engine at batch 64 (context ~1040) ~106 -> ~99 us a layer on an H100 (two runs); on an
-// H200 105.6 -> 94.6 us and decode graph 8.17 -> 7.61 ms, that run with RoPE inside this kernel;
-// SmolLM2-135M decode graph at batch 16 1.31 -> 1.07-1.20 ms (H100). RoPE inside (as the cluster
-// kernel's kRope) cost ~7 us a call on the H100, more than the rope_and_cache kernel it saves, and
-// was taken out again.
-//
-// The key loop is partly bound by instruction issue (ncu: 0.36 instructions a cycle per scheduler,
-// ~2 warps each): a tile that starts on a cache block's boundary (block_size a multiple of 16, as
-// the engine's 16) loads its block-table entry once and steps its rows by a fixed stride, where
-// each lane divided every row's key by block_size. H100, bench_attention (shuffled pages) batch 64
-// x 1024 keys 98.9-99.1 -> 95.9-96.1 us, 64 x 2048 194 -> 189-190 us; Llama-3.1-8B decode at
-// batch 64 9.13 -> 9.03 ms a step (results/decode_attention_block_tiles_gpu.log). Skipping the
-// rescale of O in steps that raise no row's maximum (a warp vote) gained nothing more.
+// The key loop is partly bound by instruction issue, so a tile that starts on a cache block's
+// boundary (block_size a multiple of 16, as the engine's 16) loads its block-table entry once and
+// steps its rows by a fixed stride instead of dividing every row's key by block_size.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 

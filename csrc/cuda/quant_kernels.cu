@@ -81,8 +81,8 @@ __global__ void quant_kernel(const RowParams p) {
 }
 
 // kNone (SiLU-and-mul alone): 128 threads a block, the row split over blocks, so that a few rows
-// (decode at batch 1-2) still spread over the SMs: one 1024-thread block for Llama-3.1-8B's 14336
-// columns at batch 1 took ~2.8 us more than Inductor's kernel did.
+// (decode at batch 1-2) still spread over the SMs: one 1024-thread block for a 14336-column row
+// is slower than Inductor's kernel (docs/perf.md, "fuse_act_linear").
 constexpr int kNoneThreads = 128;
 
 template <typename T, int N, bool kSiluMul>

@@ -98,9 +98,8 @@ __global__ void rope_and_cache_kernel(const RopeCacheParams p) {
 
 // Attention may start early (RopeCacheParams::early_dependents) in small models (query width at
 // most kSmallModelQueryWidth, launchers.h), whose QKV projection is too short to hide attention's
-// loads before its wait. On an H100: SmolLM2-135M (576) batch 1 step 0.708 -> 0.674 ms;
-// Llama-3.1-8B (4096) batch 1 5.80 -> 5.94 ms, its attention blocks then held SMs while the 50 MB
-// QKV projection streamed.
+// loads before its wait; in wider models attention's early blocks would hold SMs while the QKV
+// projection streams (docs/perf.md, "Programmatic dependent launch (PDL)").
 template <typename T, typename CosT, int D>
 void launch(const RopeCacheParams& params) {
   RopeCacheParams p = params;

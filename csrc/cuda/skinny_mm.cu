@@ -3,15 +3,14 @@
 // (silu_mul_linear).
 //
 // At M <= 2 a linear layer is a stream over its weight: every byte is read once and used for M
-// multiply-adds. cuBLAS's tile choices leave bandwidth unused on some shapes (on an H100 at
-// M = 1, Llama-3.1-8B's 4096 x 4096 o_proj ran at ~67% of copy bandwidth on 64 CTAs). Here one
+// multiply-adds. cuBLAS's tile choices leave bandwidth unused on some shapes. Here one
 // warp computes one output column n (one row of weight) and walks it in steps of kLoads
 // 16-byte loads per lane, multiplying each step with the matching slices of x (L1-cached: every
 // warp reads the same x) before a warp reduction. Small steps keep registers low, so many warps
-// are resident per SM and the memory system always has loads queued; measured on an H100 over
-// 4/8/16 loads x 4/8 warps per block x 3 occupancy hints, 4 loads x 4 warps was fastest or
-// within 2% on every Llama-3.1-8B and SmolLM2-135M layer shape at M = 1
-// (benchmarks/bench_skinny_mm.py has the comparison with cuBLAS).
+// are resident per SM and the memory system always has loads queued; kLoads and the warps per
+// block come from a sweep over Llama-3.1-8B's and SmolLM2-135M's layer shapes
+// (benchmarks/bench_skinny_mm.py compares with cuBLAS; docs/perf.md, "Weight streaming at 1-2
+// rows").
 //
 // rms_norm_linear / fused_add_rms_norm_linear put the RMSNorm before a linear (and the
 // residual add before it) into the same kernel. Each block first normalizes its rows into shared
@@ -19,7 +18,7 @@
 // residual_out; a block reduction of the squares; the norm's roundings), with its first weight
 // loads already in flight; then its warps stream their weight rows against the shared rows. The
 // norm is redone per block (4 columns), not per warp: applying it per warp and chunk made the
-// kernel ALU-bound (8B gate_up 82 -> 139 us on an H100).
+// kernel ALU-bound.
 //
 // qkv_rope_cache / rms_norm_qkv_rope_cache / fused_add_rms_norm_qkv_rope_cache are the QKV
 // projection with rope_and_cache in its epilogue (kRope): the output columns q | k | v never reach
@@ -34,7 +33,7 @@
 // silu_mul_linear takes the MLP's gate_up output [M, 2K] and applies SiLU-and-mul (eager's
 // roundings, T(T(silu(gate)) * up), the exp in fast math) the same way: once per block, into
 // shared memory, before the weight stream. (Applied per warp as each chunk was read, it cost
-// more than the launch it saved: SmolLM2-135M's decode graph 0.714 -> 0.744 ms on an H100.)
+// more than the launch it saved.)
 // The pass limits K: every block recomputes all K activations.
 //
 // linear_argmax_out is the LM head of a full decode graph with greedy sampling's argmax in the
@@ -44,8 +43,8 @@
 // is the larger value, ties go to the lower column, NaN beats everything, -0 equals +0), each
 // block merges its warps' keys into the row's running maximum with one atomicMax, and the last
 // block to arrive writes the indices and zeroes the keys and the counter. The argmax is that of the
-// logits as stored (rounded to T), so it equals argmax_rows of `out`. Without it the argmax was a
-// kernel of its own after the graph (~4 us at batch 1 on an H100, then the launch gap).
+// logits as stored (rounded to T), so it equals argmax_rows of `out`. Without it the argmax is a
+// kernel of its own after the graph, plus its launch gap.
 //
 // More than kMaxRows rows, or layouts the kernel does not take (unaligned, strided K, mixed
 // dtypes, rows over kMaxSharedBytes), run the norm kernel of fused_ops.cpp for the norm ops, the
@@ -163,9 +162,9 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
   };
   // The first weight loads go out before the PDL wait (launch.cuh: a weight is no kernel's
   // output), overlapping the kernel before; they stay in flight through the prologue. The norm
-  // variants (QKV and gate_up projections) let their dependent start at once (launch.cuh). (So did
-  // kRope without a norm, at first: Llama-3.1-8B's batch-1 step lost 0.1 ms on an H100, its decode
-  // attention's blocks waiting on SMs where the QKV projection's would stream.)
+  // variants (QKV and gate_up projections) let their dependent start at once (launch.cuh). (kRope
+  // without a norm does not: in a wide model decode attention's blocks would wait on SMs where the
+  // QKV projection's stream; docs/perf.md, "Programmatic dependent launch (PDL)".)
   constexpr bool kEarlyDependents = kPro == Prologue::kRms || kPro == Prologue::kAddRms;
   if constexpr (kEarlyDependents) allow_dependent_kernels();
   load_step(lane);
@@ -316,7 +315,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_mm_kernel(const SkinnyPara
 
 // The LM head's argmax (linear_argmax_out): each row's running maximum, and the count of the
 // blocks that merged into it (arrival_counters.h: kLmHeadArgmax). (Spreading the blocks' atomics
-// over 32 addresses measured the same on an H100.)
+// over 32 addresses gains nothing.)
 struct ArgmaxSink {
   int* arrivals;             // zero between launches
   unsigned long long* keys;  // [kMaxRows], zero between launches

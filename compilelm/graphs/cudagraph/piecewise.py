@@ -21,12 +21,12 @@ weak references (tensors over pool memory that do not keep it allocated, like vL
 about one eager step of the largest size, not one per size.
 
 Instantiation. A piece graph is instantiated (cudaGraphInstantiate) on its first replay, not at
-capture (`keep_graph=True`): instantiating all of them (31 pieces x 51 sizes for SmolLM2-135M)
-made an H100 host's warm start 0.4-0.9 s slower (benchmarks/results/lazy_instantiate_ab_gpu.log),
-while a workload replays the few sizes its mixed batches pad to. The first step at a size pays for
-its pieces once (~3 ms for 31); the device memory an instantiated graph takes
-(memory.PIECE_GRAPH_BYTES) is kept free by the worker's reserve either way. Full decode graphs
-(full.py) are instantiated at capture: every decode step of their size replays one.
+capture (`keep_graph=True`): instantiating all of them (pieces x sizes) slows every warm start,
+while a workload replays the few sizes its mixed batches pad to (docs/perf.md, "CUDA graphs").
+The first step at a size pays for instantiating its pieces once; the device memory an
+instantiated graph takes (memory.PIECE_GRAPH_BYTES) is kept free by the worker's reserve either
+way. Full decode graphs (full.py) are instantiated at capture: every decode step of their size
+replays one.
 """
 
 from __future__ import annotations

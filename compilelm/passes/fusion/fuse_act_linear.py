@@ -14,8 +14,8 @@ against it (csrc/cuda/skinny_mm.cu); one kernel fewer per layer at batch 1-2.
     y = compilelm.linear(act, w)
 
 Every block recomputes the K activations: nothing at 1536, ~15M exps per step at Llama-3.1-8B's
-14336 (where RMSNorm's per-block prologue already cost the fused kernel 6%). Above that size the
-activation goes into gate_up_proj instead, as its epilogue: at 3-64 rows on sm_90 the Triton GEMM
+14336, more than a per-block prologue can hide (docs/perf.md, "fuse_act_linear"). Above that size
+the activation goes into gate_up_proj instead, as its epilogue: at 3-64 rows on sm_90 the Triton GEMM
 (hopper_mm_out) computes a gate tile and its up tile side by side and stores silu(gate) * up, one
 kernel fewer per layer and the [M, 2I] product never written; at 1-2 rows and elsewhere the op
 runs linear and the SiLU-and-mul kernel.
@@ -29,11 +29,7 @@ runs linear and the SiLU-and-mul kernel.
 Only activations that feed nothing but the linear (down side) or products that feed nothing but
 the activation (gate_up side) match; a gate_up product that RMSNormLinearFusionPass already took
 (hidden size <= 2048, e.g. Qwen3-0.6B's) keeps its activation. Elsewhere the ops run what the
-unfused graph would.
-
-On an H100, Llama-3.1-8B decode at batch 64, context 1024 (bench_passes, on/off in turns): 9.27 ->
-9.13 ms a step; batch 1 unchanged (5.79 -> 5.81, noise); the 2048-token prefill 10.7 -> 8.3 ms
-(the SiLU-and-mul kernel after cuBLAS instead of Inductor's).
+unfused graph would. Measurements: docs/perf.md, "fuse_act_linear".
 """
 
 from __future__ import annotations

@@ -18,10 +18,9 @@ output feeds nothing but the linear match (the matcher's rule for a pattern's in
 more rows the ops run the norm kernel and cuBLAS, as the unfused graph would.
 
 Only hidden sizes up to MAX_HIDDEN fuse. Each block of the kernel normalizes the rows before it
-streams its weight rows; on an H100 (benchmarks/bench_skinny_mm.py, add + norm + linear at M = 1)
-that won for SmolLM2-135M's 576 (qkv 4.15 -> 2.95 us, gate_up 5.02 -> 4.04 us) and lost for
-Llama-3.1-8B's 4096 (qkv 22.2 -> 24.2 us, gate_up 82.8 -> 87.9 us: every block first reads and
-normalizes 8 KB), where the separate norm kernel stays.
+streams its weight rows: that wins at SmolLM2-135M's 576 and loses at Llama-3.1-8B's 4096, where
+every block first reads and normalizes 8 KB and the separate norm kernel stays (docs/perf.md,
+"fuse_norm_linear").
 """
 
 from __future__ import annotations

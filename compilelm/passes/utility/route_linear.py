@@ -2,10 +2,9 @@
 at decode batch sizes (M <= 2 rows) and hands larger M to cuBLAS.
 
 At M = 1 a linear layer is a read of its weight, and cuBLAS's tile choices leave bandwidth unused
-on some shapes: on an H100, Llama-3.1-8B's 4096 x 4096 o_proj ran at ~67% of copy bandwidth
-(16.7 us). The CUDA kernel (csrc/cuda/skinny_mm.cu) puts one warp on each output column; at M = 1
-it was faster than cuBLAS on every Llama-3.1-8B and SmolLM2-135M layer shape
-(benchmarks/bench_skinny_mm.py, results/bench_skinny_mm.json).
+on some shapes. The CUDA kernel (csrc/cuda/skinny_mm.cu) puts one warp on each output column and
+streams the weight once (against cuBLAS per layer shape: benchmarks/bench_skinny_mm.py;
+docs/perf.md, "Weight streaming at 1-2 rows").
 
     permute: "bf16[4096, 4096]" = aten.permute(w, [1, 0])
     mm: "bf16[s0, 4096]" = aten.mm(x, permute)           ==>   mm: "bf16[s0, 4096]" = compilelm.linear(x, w)

@@ -4,11 +4,10 @@ Inductor's own post-grad patterns rewrite `mm(x, w) + residual` into `addmm(resi
 when the sum has a user that is not pointwise (here the next residual add and RMSNorm's
 reduction). For a bias row that epilogue is free, but with a 2-D residual on CUDA, `addmm_out`
 first copies `residual` into the output buffer (a device-to-device copy kernel) and then runs the
-GEMM with beta = 1. A decoder layer has two residual adds, so every layer paid two copy kernels:
-on an H100, a Llama-3.1-8B decode step ran 62 of them (~1.2 us each, plus launch gaps) and
-SmolLM2-135M's 58 took ~5% of its batch-1 step. Un-fused, the add joins the Triton kernel that
-computes the following RMSNorm (which reads the sum anyway): two kernels fewer per layer, and
-the sum rounds as eager PyTorch rounds it (the GEMM's output in the model dtype, then the add).
+GEMM with beta = 1. A decoder layer has two residual adds, so every layer paid two copy kernels
+and their launch gaps (docs/perf.md, "unfuse_residual_addmm"). Un-fused, the add joins the
+Triton kernel that computes the following RMSNorm (which reads the sum anyway): two kernels fewer
+per layer, and the sum rounds as eager PyTorch rounds it (the GEMM's output in the model dtype, then the add).
 
     addmm: "bf16[s0, 4096]" = aten.addmm(residual, x, w_t)        mm: "bf16[s0, 4096]" = aten.mm(x, w_t)
                                                             ==>   add: "bf16[s0, 4096]" = aten.add(mm, residual)
