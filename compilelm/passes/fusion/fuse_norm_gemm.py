@@ -23,7 +23,7 @@ Two graph patterns (Inductor's pattern matcher), one per consumer: the weightles
 spelled out node by node (`_weightless_rms_norm`); qkv_rope's head count is captured
 (`KeywordArg`), not traced in. Only norms whose every node feeds nothing else, and products that
 feed nothing but the add, match. The rewrite changes the roundings a little: see
-compilelm/ops/norm_gemm.py and docs/perf.md ("Fusion passes"); `passes.fuse_norm_gemm=False`
+compilelm/ops/norm_gemm.py and docs/perf.md ("fuse_norm_gemm"); `passes.fuse_norm_gemm=False`
 keeps the unfused ones.
 
 Load time: the fused ops' fast path scales a GEMM's accumulators by the norm's per-row rstd, which

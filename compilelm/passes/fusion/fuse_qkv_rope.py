@@ -8,7 +8,7 @@ a head and write the rotated query, and the key and value rows to their cache sl
 (csrc/cuda/skinny_mm.cu, kRope); at 3-64 rows on an H100 the Hopper GEMM does the same in its
 epilogue (compilelm/ops/hopper_gemm.py, hopper_mm_rope_out). One kernel per layer fewer, and
 decode attention, launched next, starts while the projection runs. For more rows the op runs
-the projection, then rope_and_cache, as the graph before (docs/perf.md, "Fusion passes").
+the projection, then rope_and_cache, as the graph before (docs/perf.md, "fuse_qkv_rope").
 
     before (one layer, bf16)                                after
     f = compilelm.fused_add_rms_norm_linear(                f = compilelm.fused_add_rms_norm_qkv_rope(
