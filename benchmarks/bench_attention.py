@@ -16,7 +16,8 @@ kv heads x head_size x 2 bytes x K and V) / time. Copy bandwidth = bytes read + 
 device-to-device copies, the faster of cudaMemcpy and an elementwise kernel (both recorded),
 measured in the same run. Each point is CUDA-graph replays (how the engine runs decode), median
 over --iters replays after warm-up; small shapes rotate over several block tables on disjoint
-pages (and SDPA over several KV tensors) so that L2 does not serve them. Target: >= 80% of the copy bandwidth where batch x context >= 256k tokens.
+pages (and SDPA over several KV tensors) so that L2 does not serve them. Target: >= 80% of the copy
+bandwidth where batch x context >= 256k tokens.
 
 Prints a table and writes JSON (default benchmarks/results/bench_attention.json). No asserts.
 """
@@ -157,7 +158,8 @@ def bench_point(batch: int, context: int, l2_bytes: int, iters: int, layout: str
 
     tokens = batch * context
     return {
-        "layout": layout, "batch": batch, "context": context, "tokens": tokens, "kv_MB": kv_bytes / 1e6, "working_sets": sets,
+        "layout": layout, "batch": batch, "context": context, "tokens": tokens, "kv_MB": kv_bytes / 1e6,
+        "working_sets": sets,
         "paged_us": paged_s * 1e6, "paged_GBps": kv_bytes / paged_s / 1e9,
         "cuda_cores_us": cuda_cores_s * 1e6, "cuda_cores_GBps": kv_bytes / cuda_cores_s / 1e9,
         "max_abs_diff_vs_cuda_cores": cuda_cores_diff,

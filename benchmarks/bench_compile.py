@@ -85,6 +85,7 @@ def child_engine(model: str, cache_dir: str, started: float, max_model_len: int 
     import logging
 
     import torch
+
     import compilelm.models.loader as loader
     from benchmarks.common import time_calls
 
@@ -136,14 +137,17 @@ def child_engine(model: str, cache_dir: str, started: float, max_model_len: int 
     compile_s, compiler_imports = record.get("compile", 0.0), record.get("compiler_imports", 0.0)
     stages = {"imports": imported - started + compiler_imports, "weights": record.get("weights", 0.0),
               "dynamo": times.get("dynamo", 0.0),
-              "passes_lowering": sum(times.get(k, 0.0) for k in ("aot", "whole_graph_passes", "split", "post_grad_passes")),
+              "passes_lowering": sum(times.get(k, 0.0)
+                                     for k in ("aot", "whole_graph_passes", "split", "post_grad_passes")),
               "inductor": times.get("inductor", 0.0), "cache_load": times.get("load", 0.0),
               "capture": record.get("runner", 0.0) - compiler_imports - compile_s}
     compile_rest = compile_s - sum(stages[k] for k in ("dynamo", "passes_lowering", "inductor", "cache_load"))
     stages["other"] = engine_s - stages["weights"] - record.get("runner", 0.0) + max(compile_rest, 0.0)
     graphs = getattr(llm.engine.model_runner, "cuda_graphs", None)
-    print(json.dumps({"model": model, "device": "cuda" if cuda else "cpu", "mode": cm.mode if cm else None, "ready_s": ready - started, "stages": stages,
-                      "compile_s": compile_s, "compile_times": times, "graph_capture_s": record.get("graph_capture"), "counters": cm.counters if cm else None,
+    print(json.dumps({"model": model, "device": "cuda" if cuda else "cpu", "mode": cm.mode if cm else None,
+                      "ready_s": ready - started, "stages": stages,
+                      "compile_s": compile_s, "compile_times": times, "graph_capture_s": record.get("graph_capture"),
+                      "counters": cm.counters if cm else None,
                       "num_graphs": len(graphs.graphs) if graphs else 0,
                       "graph_mib": graphs.memory_bytes / 2**20 if graphs else None, "log": log}))
 
@@ -192,7 +196,8 @@ def gpu_startup(model: str, max_model_len: int | None, pycache: str, warm_runs: 
                 out["cold"] = r
             else:
                 warm.append(r)
-            print(f"{model} {run}: ready in {r['ready_s']:.1f} s (process exited at {r['process_s']:.1f} s)", flush=True)
+            print(f"{model} {run}: ready in {r['ready_s']:.1f} s (process exited at {r['process_s']:.1f} s)",
+                  flush=True)
     if warm:
         warm.sort(key=lambda r: r["ready_s"])
         out["warm"] = warm[(len(warm) - 1) // 2]  # the median run (the lower one of an even count)

@@ -60,7 +60,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--short", type=int, default=4)
     ap.add_argument("--long", type=int, default=36)
-    ap.add_argument("-O", dest="level", type=int, default=None, help="compilelm optimization level (default: the engine's)")
+    ap.add_argument("-O", dest="level", type=int, default=None,
+                    help="compilelm optimization level (default: the engine's)")
     ap.add_argument("--dtype", default="auto", help="compilelm dtype (auto = float32 on CPU)")
     ap.add_argument("--hf-dtype", default="float32", help="dtype of the Hugging Face baseline")
     ap.add_argument("--no-hf", action="store_true")
@@ -84,11 +85,13 @@ def main(argv=None) -> dict:
     for batch in tqdm(args.batches, desc="bench_cpu", unit="batch"):
         prompts = _prompts(batch, args.prompt_len, vocab)
         time_ours(llm, prompts, 2)  # warm-up
-        ours = batch * (args.long - args.short) / (time_ours(llm, prompts, args.long) - time_ours(llm, prompts, args.short))
+        ours = batch * (args.long - args.short) / (time_ours(llm, prompts, args.long)
+                                                   - time_ours(llm, prompts, args.short))
         row = {"batch": batch, "compilelm_tok_s": ours}
         if hf is not None:
             time_hf(hf, prompts, 2)
-            theirs = batch * (args.long - args.short) / (time_hf(hf, prompts, args.long) - time_hf(hf, prompts, args.short))
+            theirs = batch * (args.long - args.short) / (time_hf(hf, prompts, args.long)
+                                                         - time_hf(hf, prompts, args.short))
             row.update(hf_tok_s=theirs, ratio=ours / theirs)
         rows.append(row)
     print_table(rows, ["batch", "compilelm_tok_s", "hf_tok_s", "ratio"])

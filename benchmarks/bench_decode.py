@@ -272,7 +272,8 @@ def main(argv=None) -> dict:
     path = save()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     print_table(rows, ["model", "batch", "pdl", "hopper_gemm", "ours_ms", "graph_replay_ms", "roofline_ms",
-                       "roofline_measured_ms", "pct_of_measured_roofline", "target_ms", "hf_mode", "hf_static_compile_ms", "hf_static_eager_ms", "speedup_vs_hf"])
+                       "roofline_measured_ms", "pct_of_measured_roofline", "target_ms", "hf_mode",
+                       "hf_static_compile_ms", "hf_static_eager_ms", "speedup_vs_hf"])
     print(f"wrote {path}")
     return payload
 

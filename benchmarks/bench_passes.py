@@ -17,7 +17,8 @@ CUDA graph's GPU time alone) at batch 1 and 64 with `--context` tokens of contex
 prefill step's GPU time plus one step's host work, since with async scheduling step() returns
 before the GPU is done). With few layers (scripts/gpu_bench.sh runs 4) a decode step, and a small
 model's prefill, is host-bound and its time moves with the process (+-30-50% between engines of one
-run): read the graph columns there. RMSNorm+quant and SiLU+quant run the model in FP8 mode (`quantization="fp8"`); QK-norm+RoPE
+run): read the graph columns there. RMSNorm+quant and SiLU+quant run the model in FP8 mode
+(`quantization="fp8"`); QK-norm+RoPE
 runs Qwen3-0.6B.
 
     python benchmarks/bench_passes.py                       # CUDA if available: (a) + (b)
@@ -43,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import print_table, watch_compiles, write_result  # noqa: E402
 from compilelm.layers.activation import SiluAndMul  # noqa: E402
 from compilelm.layers.layernorm import rms_norm  # noqa: E402
-from compilelm.ops import quant as _quant_ops  # noqa: E402, F401
+from compilelm.ops import quant as _quant_ops  # noqa: F401
 from compilelm.passes import PassConfig, PassManager  # noqa: E402
 from compilelm.passes.config import parse_pass_spec  # noqa: E402
 
@@ -132,7 +133,8 @@ def quant_piece_rows(args, device, dtype) -> list[dict]:
     for name, (fn, switch, width) in FUSIONS.items():
         for n in args.tokens:
             try:
-                x, res = torch.randn(n, width, device=device, dtype=dtype), torch.randn(n, HIDDEN, device=device, dtype=dtype)
+                x, res = (torch.randn(n, width, device=device, dtype=dtype),
+                          torch.randn(n, HIDDEN, device=device, dtype=dtype))
                 w = torch.rand(HIDDEN, device=device, dtype=dtype) + 0.5
                 unfused, _ = compile_piece(fn, None)
                 t_unfused = bench(unfused, (x, res, w), args.iters, device)
@@ -155,7 +157,8 @@ def forward_context(model, n: int, device, block: int = 16):
     blocks = list(range(1, -(-n // block) + 1))
     shape = (len(blocks) + 1, block, attn[0].num_kv_heads, attn[0].head_dim)
     dtype = next(model.parameters()).dtype
-    caches = {a.layer_name: (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+    caches = {a.layer_name: (torch.zeros(shape, dtype=dtype, device=device),
+                             torch.zeros(shape, dtype=dtype, device=device))
               for a in attn}
     i32 = dict(dtype=torch.int32, device=device)
     meta = AttentionMetadata(torch.arange(block, block + n, device=device), torch.tensor([0, n], **i32),
@@ -201,9 +204,8 @@ def build_engine(model: str, quantization: str | None, off: str | None, args, cu
     """An engine at -O2 with the switch `off` turned off (None: every pass on) and the pass `custom`
     ("package.module:Class") added, and what its start found: seconds and the passes' matches (None
     when a cached compile ran no pass)."""
-    from compilelm import LLM
-
     from benchmarks.bench_decode import decode_tokens
+    from compilelm import LLM
 
     step_tokens = max(args.prefill, 256)
     decoded = decode_tokens(max(args.batches), args.context, args.steps, step_tokens)  # time_ours's max_tokens
@@ -368,7 +370,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-pieces", action="store_true")
     ap.add_argument("--e2e", action=argparse.BooleanOptionalAction, default=None, help="default: on for CUDA")
     ap.add_argument("--cases", nargs="*", choices=[c[0] for c in E2E_CASES], default=None,
-                    help="end to end: the fusions to switch off one at a time (default: all, or none with --custom-pass)")
+                    help="end to end: the fusions to switch off one at a time "
+                         "(default: all, or none with --custom-pass)")
     ap.add_argument("--custom-pass", action="append", default=[], metavar="PKG.MODULE:CLASS",
                     help="end to end: a pass of your own (as compilation_config's custom_passes), with vs without "
                          "it on top of the built-in ones; repeatable")
@@ -409,7 +412,8 @@ def main(argv=None) -> dict:
                     + (["error"] if any("error" in r for r in pieces) else []))
     if end_to_end:
         print(f"\nend to end ({device.type}): -O2 with the fusion on vs off, ms (speedup = off / on)")
-        print_table(end_to_end, ["fusion", "model", "measure", "on_ms", "off_ms", "speedup", "matches_on", "matches_off"]
+        print_table(end_to_end, ["fusion", "model", "measure", "on_ms", "off_ms", "speedup", "matches_on",
+                                 "matches_off"]
                     + (["error"] if any("error" in r for r in end_to_end) else []))
     print("wrote", path)
     return payload

@@ -129,7 +129,7 @@ def bench_hf(name: str, args, overrides: dict, prompts: list, out_lens: list, de
         wall = time.perf_counter() - t0
     useful = sum(out_lens)
     print(f"HF {name}: {useful / wall:.0f} useful output tok/s ({wall:.1f} s)", flush=True)
-    del model
+    model = None  # (generate() holds the cell: this frees the model)
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -143,7 +143,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["dummy:smollm2-135m", "dummy:qwen3-0.6b"])
     ap.add_argument("--num-requests", type=int, default=256)
-    ap.add_argument("--min-len", type=int, default=None, help="shortest prompt/output (default 100, or max-len // 2 if smaller)")
+    ap.add_argument("--min-len", type=int, default=None,
+                    help="shortest prompt/output (default 100, or max-len // 2 if smaller)")
     ap.add_argument("--max-len", type=int, default=1024, help="longest prompt/output")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")

@@ -112,10 +112,12 @@ def summary(out_dir: str) -> list[dict]:
             case += " no PDL" * (r.get("pdl") is False) + " cuBLAS" * (r.get("hopper_gemm") is False)  # A/B rows
             target = r.get("target_ms")
             add("decode", case, f"{r['ours_ms']:.3f} ms/step", f"target {target} ms; roofline {r['roofline_ms']:.3f}"
-                if target else f"roofline {r['roofline_ms']:.3f} ms", None if target is None else r["ours_ms"] <= target)
+                if target else f"roofline {r['roofline_ms']:.3f} ms",
+                None if target is None else r["ours_ms"] <= target)
             if r.get("speedup_vs_hf"):
                 add("decode", case + " vs HF", f"{r['speedup_vs_hf']:.2f}x", f"HF {r.get('hf_mode')}"
-                    + ("; target >= 2x" if r["batch"] == 64 else ""), r["speedup_vs_hf"] >= 2 if r["batch"] == 64 else None)
+                    + ("; target >= 2x" if r["batch"] == 64 else ""),
+                    r["speedup_vs_hf"] >= 2 if r["batch"] == 64 else None)
     if d := load("bench_throughput"):
         for r in d["rows"]:
             if r.get("engine") == "compilelm":

@@ -126,7 +126,8 @@ def main(argv=None) -> dict:
         llm = LLM(model=name, dtype="bfloat16", max_model_len=args.context + 8 * args.steps + 64,
                   max_num_seqs=max(args.batches), max_num_batched_tokens=8192)
         for batch in args.batches:
-            case = dict(model=name, batch=batch, context=args.context, **run_case(llm.engine, batch, args.context, args.steps))
+            case = dict(model=name, batch=batch, context=args.context,
+                        **run_case(llm.engine, batch, args.context, args.steps))
             cases.append(case)
             write_result("profile_step", payload, args.out)
             for part in ("step", "graph"):

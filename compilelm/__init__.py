@@ -3,7 +3,8 @@
 from compilelm.outputs import CompletionOutput, RequestOutput
 from compilelm.sampling_params import SamplingParams
 from compilelm.version import __version__
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
 
 
 def __getattr__(name):  # LLM pulls in torch + transformers: import it on first use

@@ -8,8 +8,9 @@
 #   bash scripts/gpu_ab.sh [decode] [tokens]        (default: both)
 #
 # decode: bench_decode (no HF rows) on each tree; tokens: scripts/greedy_tokens.py on each tree.
-# The baseline is built as a wheel into /tmp/ab_base (before this tree's editable install, whose
-# import hook would otherwise win). JSON and logs go to $OUT (else /tmp/gpu_ab).
+# The baseline is built as a wheel into /tmp/ab_base and runs first, with any editable install's
+# import hook hidden (it would win over PYTHONPATH); each side checks which tree it imports.
+# JSON and logs go to $OUT (else /tmp/gpu_ab).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_ab}
@@ -33,14 +34,24 @@ build() {  # build TREE [--target DIR]: the extension with the system compiler
 }
 
 [ -d .baseline ] || { echo "no .baseline/ (see the header)"; exit 2; }
-if [ ! -d /tmp/ab_base/compilelm ]; then build .baseline --target /tmp/ab_base; fi
-cp -r .baseline/benchmarks .baseline/scripts /tmp/ab_base/ 2>/dev/null
-if ! ls compilelm/_C.cpython-*.so >/dev/null 2>&1; then build . -e; fi
-
+# An editable install's import hook wins over PYTHONPATH: hide it while the baseline runs.
+hooks=$($PY -c "import glob, site; print(' '.join(p for d in site.getsitepackages() for p in glob.glob(d + '/_editable*compilelm*.pth')))")
 rc=0
-for stage in "${stages[@]}"; do
-  for side in base new; do
-    if [ $side = base ]; then dir=/tmp/ab_base; env=(env PYTHONPATH=/tmp/ab_base); else dir=.; env=(env); fi
+for side in base new; do
+  if [ $side = base ]; then
+    [ -d /tmp/ab_base/compilelm ] || build .baseline --target /tmp/ab_base
+    cp -r .baseline/benchmarks .baseline/scripts .baseline/COMMIT /tmp/ab_base/ 2>/dev/null
+    for h in $hooks; do mv "$h" "$h.off"; done
+    dir=/tmp/ab_base; env=(env PYTHONPATH=/tmp/ab_base)
+  else
+    for h in $hooks; do [ -f "$h.off" ] && mv "$h.off" "$h"; done
+    ls compilelm/_C.cpython-*.so >/dev/null 2>&1 || build . -e
+    dir=.; env=(env)
+  fi
+  where=$(cd $dir && "${env[@]}" $PY -c "import compilelm, os; print(os.path.dirname(compilelm.__file__))")
+  echo "$side: compilelm from $where" | tee -a "$OUT/ab.log"
+  case "$where" in /tmp/ab_base/*) [ $side = base ] ;; *) [ $side = new ] ;; esac || { echo "wrong tree for $side"; exit 3; }
+  for stage in "${stages[@]}"; do
     case $stage in
       decode)
         (cd $dir && timeout 280 "${env[@]}" $PY benchmarks/bench_decode.py "${BENCH[@]}" --out "$OUT/decode_$side.json") \
@@ -53,6 +64,7 @@ for stage in "${stages[@]}"; do
     esac
   done
 done
+for h in $hooks; do [ -f "$h.off" ] && mv "$h.off" "$h"; done
 if [ -f "$OUT/tokens_base.json" ] && [ -f "$OUT/tokens_new.json" ]; then
   $PY -c "
 import json, sys

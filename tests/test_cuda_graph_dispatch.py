@@ -8,9 +8,14 @@ import pytest
 
 from compilelm import LLM, SamplingParams
 from compilelm.graphs.config import CompileConfig
-from compilelm.models.config import dummy_config
 from compilelm.graphs.cudagraph.dispatch import CudaGraphDispatcher, default_capture_sizes, graph_sizes
-from compilelm.runtime.memory import FULL_GRAPH_BYTES, PIECE_GRAPH_BYTES, activation_bytes_per_token, cuda_memory_reserve
+from compilelm.models.config import dummy_config
+from compilelm.runtime.memory import (
+    FULL_GRAPH_BYTES,
+    PIECE_GRAPH_BYTES,
+    activation_bytes_per_token,
+    cuda_memory_reserve,
+)
 
 
 def test_default_capture_sizes():

@@ -2,7 +2,6 @@
 converted GGUF tokenizer, and small Llama-3-style tokenizers built here from scratch (no downloads)."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -228,8 +227,7 @@ STYLES = {
 
 @pytest.fixture(scope="module", params=sorted(STYLES))
 def built_pair(request, tmp_path_factory):
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from tokenizers import processors, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     style = STYLES[request.param]
     tok = Tokenizer(models.BPE())

@@ -154,7 +154,8 @@ def test_fp8_tiny_model_runs_compiled_with_and_without_fusion():
                                       "passes": {"fuse_norm_quant": fuse, "fuse_act_quant": fuse}})
         out[fuse] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
     eager = LLM("dummy:smollm2-135m", quantization="fp8", enforce_eager=True, **TINY)
-    assert out[True] == out[False] == [o.outputs[0].token_ids for o in eager.generate(prompts, greedy(), use_tqdm=False)]
+    assert out[True] == out[False] == [o.outputs[0].token_ids
+                                       for o in eager.generate(prompts, greedy(), use_tqdm=False)]
 
 
 def _forward_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
@@ -188,7 +189,8 @@ def test_fp8_default_model_accuracy_and_fusion():
     # "L", whose winner changed between CPU machines with the same code and packages.)
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     answer = ref.chat(chat, greedy(16), use_tqdm=False)[0].outputs[0]
-    print(f"fp32 greedy: {answer.text!r}, fp8 greedy: {fp8.chat(chat, greedy(16), use_tqdm=False)[0].outputs[0].text!r}")
+    print(f"fp32 greedy: {answer.text!r}, "
+          f"fp8 greedy: {fp8.chat(chat, greedy(16), use_tqdm=False)[0].outputs[0].text!r}")
     assert "Paris" in answer.text
     prompt_ids = ref.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
     logits = _forward_logits(fp8, prompt_ids + list(answer.token_ids))[len(prompt_ids) - 1:-1]

@@ -6,9 +6,9 @@ import torch
 
 from compilelm import ops
 from compilelm.layers.layernorm import RMSNorm
-from compilelm.ops.norm import rms_norm
 from compilelm.layers.rotary_embedding import RotaryEmbedding
 from compilelm.ops import quant as q_ops
+from compilelm.ops.norm import rms_norm
 from tests.test_ops import make_decode_step
 
 OPS = torch.ops.compilelm

@@ -45,7 +45,8 @@ def make_decode_step(contexts, *, num_heads, num_kv_heads, head_size, dtype, num
                 block_size=16, seed=0, num_blocks=None, width=None, max_position=None):
     """One pure-decode step: q/k/v as views of a fused qkv tensor, each sequence's new token at
     position context - 1 with its slot in the sequence's last block, padding rows (slot -1) after
-    the sequences, random cache contents elsewhere. The arguments of rope_paged_attention (but max_query_len), on the CPU."""
+    the sequences, random cache contents elsewhere. The arguments of rope_paged_attention (but
+    max_query_len), on the CPU."""
     gen = torch.Generator().manual_seed(seed)
     blocks = [-(-n // block_size) for n in contexts]
     num_blocks = num_blocks or 1 + sum(blocks) + 2
@@ -240,7 +241,8 @@ def test_bad_inputs_raise():
         paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale, -1)
 
 
-@pytest.mark.parametrize("setting", ["set_programmatic_launch", "set_cluster_merge", "set_decode_mma", "set_hopper_gemm"])
+@pytest.mark.parametrize("setting", ["set_programmatic_launch", "set_cluster_merge", "set_decode_mma",
+                                     "set_hopper_gemm"])
 def test_launch_settings_return_the_previous_setting(setting):
     """The CUDA launch settings (csrc/cuda/launch.cuh, the decode kernel's merge) are process
     state every build has."""

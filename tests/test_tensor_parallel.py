@@ -12,12 +12,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from compilelm.ops import collectives as comm
 from compilelm.distributed.parallel_state import destroy_distributed, get_tp_rank, init_distributed
 from compilelm.layers.layernorm import RMSNorm
+from compilelm.ops import collectives as comm
 from compilelm.ops.norm import rms_norm
-from compilelm.passes.fusion.fuse_allreduce_rms import AllReduceRMSNormFusionPass
 from compilelm.passes.debug.testing import check_pass
+from compilelm.passes.fusion.fuse_allreduce_rms import AllReduceRMSNormFusionPass
 from compilelm.sampling_params import SamplingParams
 
 ops = torch.ops.compilelm
@@ -36,11 +36,14 @@ def _layers_rank(rank: int, world: int, port: int, failures) -> None:
         init_distributed(rank, world, f"tcp://127.0.0.1:{port}", torch.device("cpu"))
         from compilelm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
         from compilelm.layers.vocab_parallel_embedding import (
-            ParallelLMHead, VocabParallelEmbedding, compute_logits,
+            ParallelLMHead,
+            VocabParallelEmbedding,
+            compute_logits,
         )
         g = torch.Generator().manual_seed(0)  # the same full weights and inputs on every rank
         x = torch.randn(5, 32, generator=g)
-        w_col, w_row, b_row = torch.randn(48, 32, generator=g), torch.randn(32, 48, generator=g), torch.randn(32, generator=g)
+        w_col, w_row, b_row = (torch.randn(48, 32, generator=g), torch.randn(32, 48, generator=g),
+                               torch.randn(32, generator=g))
         emb = torch.randn(37, 32, generator=g)  # 37 rows: not divisible by 2 -> a padded last shard
         ids = torch.tensor([0, 18, 19, 36, 5])
         wq, wk, wv = (torch.randn(n * 8, 32, generator=g) for n in (4, 1, 1))  # 4 heads, 1 KV head
@@ -249,8 +252,8 @@ def test_release_graphs_drops_every_graph_and_steps_run_eagerly():
     whose collectives it captured. On CPU there are no graphs: stand-ins with the same shape."""
     import types
 
-    from compilelm.llm import LLM
     from compilelm.graphs.cudagraph.dispatch import CudaGraphDispatcher
+    from compilelm.llm import LLM
     llm = LLM("dummy:qwen3-0.6b", model_overrides=QWEN3[1], max_model_len=128, num_kv_blocks=64, enforce_eager=True)
     runner = llm.engine.executor.model_runner
     full, site = types.SimpleNamespace(graphs={8: "graph"}), types.SimpleNamespace(graphs={8: "graph", 4: "graph"})

@@ -18,7 +18,8 @@ from compilelm.entrypoints.engine_args import ArgError, add_engine_args, engine_
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("compile", help="compile a model (pre-warms the compile cache); --dump shows what the compiler did")
+    p = sub.add_parser("compile",
+                       help="compile a model (pre-warms the compile cache); --dump shows what the compiler did")
     add_engine_args(p)
     p.add_argument("--dump", metavar="DIR", default=None,
                    help="write graphs, Inductor code, decompiled bytecode and report.{md,html} here")
@@ -71,6 +72,7 @@ def _print_summary(data: dict, dump_dir: str | None) -> None:
     for p in data["passes"]:
         err = "" if p["max_error"] is None else f"  max error {p['max_error']:.3g}"
         note = f"  ({p['verify_error']})" if p["verify_error"] else ""
-        out.write(f"  {p['stage']:<11} {p['pass']:<24} matches {p['matches']:>4}  {p['seconds'] * 1000:8.2f} ms{err}{note}\n")
+        out.write(f"  {p['stage']:<11} {p['pass']:<24} matches {p['matches']:>4}  "
+                  f"{p['seconds'] * 1000:8.2f} ms{err}{note}\n")
     if dump_dir:
         out.write(f"dump written to {dump_dir} (report.md, report.html)\n")

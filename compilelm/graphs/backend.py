@@ -26,11 +26,11 @@ from tqdm import tqdm
 
 from compilelm.distributed.parallel_state import get_tp_rank
 from compilelm.graphs.counters import compile_counters
-from compilelm.graphs.lower import lower_to_aten
 from compilelm.graphs.inductor import PieceRunner, compile_piece, piece_key, token_arg
+from compilelm.graphs.lower import lower_to_aten
 from compilelm.graphs.split import split_graph
-from compilelm.passes.base import describe
 from compilelm.graphs.stitch import build_graph, graph_code, input_recipe
+from compilelm.passes.base import describe
 
 SENTINEL = torch.empty(0)  # what the dry run returns in place of each graph output
 
@@ -115,7 +115,8 @@ class CompilelmBackend:
 
     def _run(self, *args):
         if self.dry_run:  # mutated inputs come back unchanged: AOT's epilogue copies them onto themselves
-            return tuple(args[i] for i in self.mutated_inputs) + (SENTINEL,) * (self.n_outputs - len(self.mutated_inputs))
+            return (tuple(args[i] for i in self.mutated_inputs)
+                    + (SENTINEL,) * (self.n_outputs - len(self.mutated_inputs)))
         return self.graph_fn(*args)
 
     def _compile_pieces(self, pieces) -> tuple[dict[str, PieceRunner], dict]:

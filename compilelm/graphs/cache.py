@@ -125,7 +125,8 @@ class CompileCache:
     def save_manifest(self, manifest: dict) -> None:
         if not self.enabled:
             return
-        atomic_write(os.path.join(self.dir, "cache_key_factors.json"), json.dumps(self.factors, indent=2, sort_keys=True, default=str))
+        atomic_write(os.path.join(self.dir, "cache_key_factors.json"),
+                     json.dumps(self.factors, indent=2, sort_keys=True, default=str))
         atomic_write(os.path.join(self.dir, "manifest.json"), json.dumps(manifest, indent=1))
 
     def load_artifact(self, name: str):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch._dynamo.utils import counters as torch_counters

@@ -69,7 +69,8 @@ class CompileConfig:
             options = tuple(sorted(options.items()))
         if not isinstance(options, (list, tuple)) or not all(
                 isinstance(kv, (list, tuple)) and len(kv) == 2 and isinstance(kv[0], str) for kv in options):
-            raise ValueError(f"inductor_options must be an object of Inductor config settings, got {self.inductor_options!r}")
+            raise ValueError("inductor_options must be an object of Inductor config settings, got "
+                             f"{self.inductor_options!r}")
         set_("inductor_options", tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in options))
         for name in ("splitting_ops", "compile_sizes", "custom_passes", "cudagraph_capture_sizes"):
             value = getattr(self, name)
@@ -107,7 +108,8 @@ class CompileConfig:
         known = {f.name for f in fields(cls)} - {"level"}
         unknown = sorted(set(overrides) - known)
         if unknown:
-            raise ValueError(f"unknown compilation config field(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+            raise ValueError(f"unknown compilation config field(s): {', '.join(unknown)} "
+                             f"(known: {', '.join(sorted(known))})")
         merged = {**_LEVEL_DEFAULTS[level], **overrides}
         if "passes" in merged:
             user = overrides.get("passes", {})
@@ -118,7 +120,8 @@ class CompileConfig:
         return cls(level=level, **merged)
 
     @classmethod
-    def from_cli(cls, level: int | None = None, overrides_json: str | None = None, enforce_eager: bool = False) -> CompileConfig:
+    def from_cli(cls, level: int | None = None, overrides_json: str | None = None,
+                 enforce_eager: bool = False) -> CompileConfig:
         """From `-O<level>`, `--compilation-config JSON` and `--enforce-eager` (which wins)."""
         overrides = {}
         if overrides_json:

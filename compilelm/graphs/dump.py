@@ -101,7 +101,8 @@ def write_report(cm) -> None:
     dumper = cm.dumper
     dumper.write("report.json", json.dumps(data, indent=2, default=str))
     sections = _sections(data)
-    split_rows = [[p["name"], p["compiled_as"], "<br>".join(p["inputs"]), "<br>".join(p["outputs"])] for p in data["pieces"]]
+    split_rows = [[p["name"], p["compiled_as"], "<br>".join(p["inputs"]), "<br>".join(p["outputs"])]
+                  for p in data["pieces"]]
     dumper.write("split.md", _markdown([("Pieces", ["piece", "compiled as", "inputs", "outputs"], split_rows)]))
     dumper.write("report.md", "# compilelm compile report\n\n" + _markdown(sections))
     dumper.write("report.html", _html(sections))
@@ -116,10 +117,12 @@ def _sections(data: dict) -> list[tuple[str, list[str], list[list]]]:
               for p in data["passes"]]
     pieces = [[p["name"], p["compiled_as"], p["key"][:10], len(p["inputs"]), len(p["outputs"]), sum(p["ops"].values()),
                ", ".join(f"{k}×{v}" for k, v in list(p["ops"].items())[:6])] for p in data["pieces"]]
-    counters = [[k, v] for k, v in {**data["counters"], **{f"inductor.{k}": v for k, v in data["inductor_counters"].items()}}.items()]
+    counters = [[k, v] for k, v in {**data["counters"],
+                                    **{f"inductor.{k}": v for k, v in data["inductor_counters"].items()}}.items()]
     factors = [[k, json.dumps(v, sort_keys=True, default=str)] for k, v in data["cache_key_factors"].items()]
     summary = [["mode", data["mode"]], ["cache key", data["cache"]["key"]], ["cache dir", data["cache"]["dir"]],
-               ["load-time rewrites", "<br>".join(data["load_rewrites"]) or "none"], ["depyf", data["depyf_error"] or "ok"]]
+               ["load-time rewrites", "<br>".join(data["load_rewrites"]) or "none"],
+               ["depyf", data["depyf_error"] or "ok"]]
     return [
         ("Summary", ["", ""], summary),
         ("Compile times (s)", ["stage", "seconds"], times),
@@ -142,8 +145,10 @@ def _markdown(sections) -> str:
 def _html(sections) -> str:
     body = []
     for title, headers, rows in sections:
-        body.append(f"<h2>{html.escape(title)}</h2><table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in headers) + "</tr>")
-        body += ["<tr>" + "".join(f"<td>{html.escape(str(c)).replace('&lt;br&gt;', '<br>')}</td>" for c in row) + "</tr>" for row in rows]
+        body.append(f"<h2>{html.escape(title)}</h2><table><tr>"
+                    + "".join(f"<th>{html.escape(h)}</th>" for h in headers) + "</tr>")
+        body += ["<tr>" + "".join(f"<td>{html.escape(str(c)).replace('&lt;br&gt;', '<br>')}</td>" for c in row)
+                 + "</tr>" for row in rows]
         body.append("</table>")
     style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin-bottom:1.5em}"
              "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:left;vertical-align:top}"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -42,7 +42,8 @@ def piece_key(piece: Piece) -> str:
 def token_arg(piece: Piece) -> int | None:
     """Index of an input that carries the token count (a SymInt, or a tensor whose dim 0 is)."""
     for i, v in enumerate(piece.inputs):
-        if isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and v.dim() and isinstance(v.shape[0], torch.SymInt)):
+        if isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and v.dim()
+                                           and isinstance(v.shape[0], torch.SymInt)):
             return i
     return None
 
@@ -82,7 +83,7 @@ def _concrete(v, size: int):
         if isinstance(s, int):
             return s
         expr = s.node.expr
-        return int(expr.subs({sym: size for sym in expr.free_symbols}))
+        return int(expr.subs(dict.fromkeys(expr.free_symbols, size)))
 
     if isinstance(v, torch.Tensor):
         shape = [subst(s) for s in v.shape]

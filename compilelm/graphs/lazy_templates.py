@@ -20,7 +20,7 @@ class LazyTemplate:
     """A jinja2 template compiled on first attribute access (`render`, `module`, ...). Its own
     names start with an underscore, so none hides one of the template's."""
 
-    __slots__ = ("_source", "_compile", "_compiled")
+    __slots__ = ("_compile", "_compiled", "_source")
 
     def __init__(self, source: str, compile):
         self._source, self._compile, self._compiled = source, compile, None

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compilelm.ops.collectives import tensor_model_parallel_all_reduce
 from compilelm.distributed.parallel_state import divide, get_tp_rank, get_tp_size
+from compilelm.ops.collectives import tensor_model_parallel_all_reduce
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:

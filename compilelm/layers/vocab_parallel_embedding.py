@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compilelm.ops.collectives import (
-    tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce,
-)
 from compilelm.distributed.parallel_state import get_tp_rank, get_tp_size
+from compilelm.ops.collectives import (
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
 
 
 class VocabParallelEmbedding(nn.Module):

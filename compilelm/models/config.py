@@ -78,7 +78,7 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelConfig":
+    def from_hf_config(cls, cfg: dict) -> ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
             raise ValueError("config.json has no 'architectures' entry")
@@ -114,7 +114,7 @@ class ModelConfig:
             eos_token_ids=eos,
         )
 
-    def with_overrides(self, **kw) -> "ModelConfig":
+    def with_overrides(self, **kw) -> ModelConfig:
         return replace(self, **kw)
 
 

@@ -155,7 +155,7 @@ class FastTokenizer:
     def added_tokens_decoder(self) -> dict[int, AddedToken]:
         return self._tokenizer.get_added_tokens_decoder()
 
-    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | list[int | None] | None:
         if isinstance(tokens, str):
             index = self._tokenizer.token_to_id(tokens)
             return index if index is not None else self.unk_token_id

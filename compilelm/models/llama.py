@@ -27,7 +27,8 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads,
                                           bias=c.attention_bias)
         # this rank's heads
-        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, c.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads,
+                                                            c.head_dim)
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size)
         self.rotary_emb = rotary_emb  # one module shared by all layers

@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 import torch
 from torch import nn

@@ -24,7 +24,6 @@ from compilelm.distributed.custom_all_reduce import get_custom_all_reduce
 from compilelm.distributed.parallel_state import get_tp_size
 from compilelm.ops.norm import fused_add_rms_norm_ref
 
-
 _tracing_patterns = False
 
 

@@ -27,7 +27,8 @@ Triton gives the reshaped box to wgmma from registers (a load from shared memory
 still streams as fast as the plain kernel; the epilogue rounds as rope_and_cache's kernel does
 (bit-identical).
 
-C++ calls this op (csrc/cuda/skinny_mm.cu: `decode_mm`, and gate_up_silu_mul with silu_mul) where its kernel does not take the rows
+C++ calls this op (csrc/cuda/skinny_mm.cu: `decode_mm`, and gate_up_silu_mul with silu_mul) where its kernel
+does not take the rows
 and the weight is large enough to gain (N * K >= 8M elements, K >= 1024); `compilelm::set_hopper_gemm(False)`
 sends those calls to cuBLAS instead. The op's CUDA kernel is registered here only where Triton
 with host tensor descriptors is importable; without it the C++ side uses cuBLAS.

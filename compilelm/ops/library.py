@@ -10,7 +10,7 @@ async scheduling").
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

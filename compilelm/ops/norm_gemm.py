@@ -27,10 +27,10 @@ import functools
 
 import torch
 
-from compilelm.ops.gemm import linear_ref, gate_up_silu_mul_ref
+from compilelm.ops.gemm import gate_up_silu_mul_ref, linear_ref
 from compilelm.ops.library import LIB, define
 from compilelm.ops.norm import rms_norm
-from compilelm.ops.qkv_rope import next_cache_args, qkv_rope_fake, qkv_rope_cache_ref
+from compilelm.ops.qkv_rope import next_cache_args, qkv_rope_cache_ref, qkv_rope_fake
 
 try:
     import triton
@@ -69,16 +69,18 @@ def linear_add_rms_norm_gate_up_silu_mul_ref(x, weight, residual, eps, weight2):
     return gate_up_silu_mul_ref(normed, weight2), h
 
 
-def linear_add_rms_norm_qkv_rope_cache_ref(x, weight, residual, eps, weight2, positions, cos_sin_cache, key_cache, value_cache,
-                                slot_mapping, num_heads):
+def linear_add_rms_norm_qkv_rope_cache_ref(x, weight, residual, eps, weight2, positions, cos_sin_cache,
+                                           key_cache, value_cache, slot_mapping, num_heads):
     _check(x, weight, residual, weight2, "linear_add_rms_norm_qkv_rope_cache")
     normed, h = linear_add_rms_norm_ref(x, weight, residual, eps)
     return qkv_rope_cache_ref(normed, weight2, positions, cos_sin_cache, key_cache, value_cache, slot_mapping,
                               num_heads), h
 
 
-torch.library.register_kernel("compilelm::linear_add_rms_norm_gate_up_silu_mul", "cpu", linear_add_rms_norm_gate_up_silu_mul_ref)
-torch.library.register_kernel("compilelm::linear_add_rms_norm_qkv_rope_cache", "cpu", linear_add_rms_norm_qkv_rope_cache_ref)
+torch.library.register_kernel("compilelm::linear_add_rms_norm_gate_up_silu_mul", "cpu",
+                              linear_add_rms_norm_gate_up_silu_mul_ref)
+torch.library.register_kernel("compilelm::linear_add_rms_norm_qkv_rope_cache", "cpu",
+                              linear_add_rms_norm_qkv_rope_cache_ref)
 
 
 @torch.library.register_fake("compilelm::linear_add_rms_norm_gate_up_silu_mul")
@@ -198,6 +200,6 @@ def linear_add_rms_norm_qkv_rope(x: torch.Tensor, weight: torch.Tensor, residual
                              num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     # qkv_rope of rms_norm(h) (no weight: folded into weight2), h = x @ weight.T + residual
     # -> (rotated q [num_tokens, num_heads * head_dim], h)
-    q, h = torch.ops.compilelm.linear_add_rms_norm_qkv_rope_cache(x, weight, residual, eps, weight2, positions, cos_sin_cache,
-                                                       *next_cache_args(num_heads))
+    q, h = torch.ops.compilelm.linear_add_rms_norm_qkv_rope_cache(x, weight, residual, eps, weight2, positions,
+                                                                  cos_sin_cache, *next_cache_args(num_heads))
     return q.view(x.shape[0], -1), h

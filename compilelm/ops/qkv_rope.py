@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from compilelm.forward_context import get_forward_context
-from compilelm.ops.gemm import fused_add_rms_norm_linear_ref, rms_norm_linear_ref, linear_ref
+from compilelm.ops.gemm import fused_add_rms_norm_linear_ref, linear_ref, rms_norm_linear_ref
 from compilelm.ops.library import define
 from compilelm.ops.rope import rope_and_cache_ref
 

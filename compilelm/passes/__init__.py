@@ -11,7 +11,7 @@ Only `PassConfig` is imported with the package; the other names load their modul
 
 import importlib
 
-from compilelm.passes.config import PassConfig
+from compilelm.passes.config import PassConfig  # noqa: F401  (in __all__)
 
 # name -> the module of this package that defines it
 _LAZY = {

@@ -37,11 +37,11 @@ import inspect
 import json
 import time
 import weakref
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
-
 from torch._inductor import pattern_matcher as pm
 from torch._inductor.custom_graph_pass import CustomGraphPass
 

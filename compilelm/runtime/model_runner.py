@@ -28,11 +28,11 @@ from torch import nn
 
 from compilelm.distributed.parallel_state import get_tp_size, kv_heads_per_rank
 from compilelm.forward_context import AttentionMetadata, ForwardContext, set_forward_context
-from compilelm.runtime.async_step import AsyncStepOutput
 from compilelm.graphs.cudagraph.dispatch import CudaGraphDispatcher
 from compilelm.graphs.cudagraph.full import CUDAGraphRunner
 from compilelm.graphs.cudagraph.piecewise import PiecewiseGraphs
 from compilelm.graphs.step_inputs import HostBatch, InputBuffers
+from compilelm.runtime.async_step import AsyncStepOutput
 from compilelm.runtime.memory import engine_graph_sizes, graph_memory_estimate
 from compilelm.runtime.sampler import SampledTensors, Sampler, SamplerOutput, gather_logprobs
 from compilelm.runtime.scheduler import SchedulerOutput

@@ -1,7 +1,8 @@
 """One generation request as the scheduler sees it: tokens so far, progress, and status.
 
 `all_token_ids` (prompt + outputs) is what the KV cache must hold; `num_computed_tokens` is how
-many of them already are (or are being computed by a step in flight). A preempted request drops its cache and recomputes all of them.
+many of them already are (or are being computed by a step in flight). A preempted request drops its
+cache and recomputes all of them.
 """
 
 from __future__ import annotations

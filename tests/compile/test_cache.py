@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from compilelm.graphs import CompiledModel, compile_counters
+from compilelm.graphs import CompiledModel
 from tests.compile.toy_model import ToyModel, inputs
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -108,7 +108,8 @@ def test_corrupt_artifact_is_recompiled(make_config):
 def test_two_processes_compile_at_once(tmp_path, inductor_dir):
     cache = str(tmp_path / "shared")
     cmd = [sys.executable, os.path.join(REPO, "tests", "compile", "compile_worker.py"), cache, inductor_dir, "2"]
-    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
     results = []
     for p in procs:
         out, err = p.communicate(timeout=600)

@@ -48,7 +48,8 @@ def test_dump_contents_and_report(make_config, tmp_path):
     assert report["load_rewrites"] == [rewrite] and rewrite in (dump / "report.md").read_text()
     assert report["counters"]["pieces"] == 4 == len(report["pieces"])
     assert report["counters"]["unique_pieces"] == 3 == len({p["key"] for p in report["pieces"]})
-    assert report["counters"]["inductor_compiles"] == 3 == len([f for f in os.listdir(dump / "inductor") if f.endswith(".py")])
+    assert report["counters"]["inductor_compiles"] == 3 == len([f for f in os.listdir(dump / "inductor")
+                                                                if f.endswith(".py")])
     # op counts per piece, checked against the toy's structure
     ops = {p["name"]: p["ops"] for p in report["pieces"]}
     assert ops["submod_0"].get("embedding") == 1 and ops["submod_0"].get("mm") == 1  # embed + layer 0's qkv
@@ -60,7 +61,8 @@ def test_dump_contents_and_report(make_config, tmp_path):
     assert by_pass[("post_grad", "NoOpEliminationPass")]["graphs"] == 3
     assert by_pass[("post_grad", "CleanupPass")]["graphs"] == 6
     for (stage, name), p in by_pass.items():
-        runs = [r for r in cm.recorder.records if r.name == name and (r.graph == "whole_graph") == (stage == "whole_graph")]
+        runs = [r for r in cm.recorder.records
+                if r.name == name and (r.graph == "whole_graph") == (stage == "whole_graph")]
         assert p["matches"] == sum(r.matches for r in runs)
         assert p["seconds"] == pytest.approx(sum(r.seconds for r in runs))
         assert p["max_error"] == 0.0, (stage, name, p)  # --verify: no pass changed the numbers

@@ -5,7 +5,6 @@ the default model and on dummy Qwen3 / Llama-3 models, split count == layers + 1
 import json
 
 import pytest
-import torch
 
 from compilelm import LLM, SamplingParams
 from compilelm.entrypoints.cli import main as cli_main
@@ -59,7 +58,7 @@ def test_compile_cli_dump_on_llama(tmp_path, inductor_dir, capsys):
     out = capsys.readouterr().out
     report = json.loads((dump / "report.json").read_text())
     assert report["counters"]["pieces"] == 30 + 1 and report["counters"]["unique_pieces"] == 3
-    assert f"pieces: 31 (3 unique)" in out
+    assert "pieces: 31 (3 unique)" in out
     assert len(report["pieces"]) == 31 and report["depyf_error"] is None
     assert all(p["max_error"] == 0.0 for p in report["passes"])
     stitched = (dump / "05_stitched_graph.py").read_text()

@@ -14,7 +14,7 @@ from compilelm.ops.norm import rms_norm
 from compilelm.passes import PassConfig
 from compilelm.passes.fusion import fuse_norm_gemm
 from compilelm.passes.fusion.fuse_norm_gemm import NormGemmFusionPass
-from tests.compile.test_fuse_qkv_rope import HEAD_DIM, HEADS, HIDDEN, M, WIDTHS, context
+from tests.compile.test_fuse_qkv_rope import HEAD_DIM, HEADS, HIDDEN, WIDTHS, M, context
 from tests.compile.test_route_linear import EPS, linear_then, targets
 
 ops = torch.ops.compilelm

@@ -47,7 +47,8 @@ def leaky(x, norm_w, w_qkv, positions, cos_sin_cache):
 def context(dtype):
     shape = (3, BLOCK, KV_HEADS, HEAD_DIM)
     meta = AttentionMetadata(torch.tensor([5, 6, -1]), torch.arange(M + 1, dtype=torch.int32),
-                             torch.full((M,), 7, dtype=torch.int32), torch.tensor([[1, 2]] * M, dtype=torch.int32), 1, 7)
+                             torch.full((M,), 7, dtype=torch.int32), torch.tensor([[1, 2]] * M, dtype=torch.int32),
+                             1, 7)
     return ForwardContext(meta, {"layer0": (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))})
 
 
@@ -125,12 +126,11 @@ def test_ops_cpu_match_reference_and_opcheck():
     opcheck(ops.rms_norm_qkv_rope_cache.default, (x, norm_w, EPS, w, positions, cos_sin, *caches[:2], slots, HEADS))
     opcheck(ops.fused_add_rms_norm_qkv_rope_cache.default,
             (x, r, norm_w, EPS, w, positions, cos_sin, *caches[:2], slots, HEADS))
-    with pytest.raises(RuntimeError, match="num_heads"):
-        with FakeTensorMode():
-            ops.rms_norm_qkv_rope_cache(torch.empty(2, HIDDEN), torch.empty(HIDDEN), EPS, torch.empty(64, HIDDEN),
-                                        torch.empty(2, dtype=torch.long), torch.empty(16, HEAD_DIM),
-                                        torch.empty(3, BLOCK, KV_HEADS, HEAD_DIM),
-                                        torch.empty(3, BLOCK, KV_HEADS, HEAD_DIM), torch.empty(2, dtype=torch.long), 5)
+    with pytest.raises(RuntimeError, match="num_heads"), FakeTensorMode():
+        ops.rms_norm_qkv_rope_cache(torch.empty(2, HIDDEN), torch.empty(HIDDEN), EPS, torch.empty(64, HIDDEN),
+                                    torch.empty(2, dtype=torch.long), torch.empty(16, HEAD_DIM),
+                                    torch.empty(3, BLOCK, KV_HEADS, HEAD_DIM),
+                                    torch.empty(3, BLOCK, KV_HEADS, HEAD_DIM), torch.empty(2, dtype=torch.long), 5)
 
 
 def test_next_kv_cache_follows_the_attention_ops():

@@ -12,11 +12,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from compilelm.layers.activation import SiluAndMul
 from compilelm.layers.layernorm import RMSNorm
-from compilelm.ops.activation import silu_and_mul
-from compilelm.ops.norm import rms_norm
 from compilelm.layers.linear import Linear, MergedColumnParallelLinear
 from compilelm.layers.quantization import calibrate, quantize_model
 from compilelm.ops import quant as q_ops
+from compilelm.ops.activation import silu_and_mul
+from compilelm.ops.norm import rms_norm
 from compilelm.passes import NoOpEliminationPass, max_error, snapshot
 from compilelm.passes.fusion.fuse_act_quant import SiluMulQuantFusionPass
 from compilelm.passes.fusion.fuse_norm_quant import RMSNormQuantFusionPass

@@ -13,8 +13,8 @@ from compilelm.layers.attention import Attention
 from compilelm.layers.layernorm import RMSNorm
 from compilelm.layers.rotary_embedding import RotaryEmbedding
 from compilelm.passes import PassConfig, PassManager
-from compilelm.passes.fusion.fuse_rope_attention import RopeAttentionFusionPass
 from compilelm.passes.debug.testing import check_pass
+from compilelm.passes.fusion.fuse_rope_attention import RopeAttentionFusionPass
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 32, 16
 ROPE_OPS = ("aten.index.Tensor", "aten.cat.default", "aten.sub.Tensor", "aten.rsqrt.default")
@@ -116,7 +116,8 @@ def test_not_fused_when_rotated_q_has_another_user():
 def test_switch_levels_and_splitting_ops():
     assert CompileConfig.for_level(2).passes.fuse_rope_attention
     assert not CompileConfig.for_level(1).passes.fuse_rope_attention
-    assert {"compilelm::unified_attention_rope", "compilelm::unified_attention_rotated"} <= set(CompileConfig().splitting_ops)
+    assert {"compilelm::unified_attention_rope",
+            "compilelm::unified_attention_rotated"} <= set(CompileConfig().splitting_ops)
     on = [p.name for p in PassManager(PassConfig()).whole_graph]
     off = [p.name for p in PassManager(PassConfig(fuse_rope_attention=False)).whole_graph]
     assert on[0] == "NoOpEliminationPass" and "RopeAttentionFusionPass" in on
@@ -148,7 +149,8 @@ def test_dummy_qwen3_one_match_per_layer_equals_eager(tmp_path, inductor_dir):
     eager = LLM("dummy:qwen3-0.6b", model_overrides=_tiny(), enforce_eager=True)
     prompts = [[1, 17, 230, 9, 44, 100, 5], list(range(100, 140))]
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3)
-    for c, e in zip(compiled.generate(prompts, params, use_tqdm=False), eager.generate(prompts, params, use_tqdm=False)):
+    for c, e in zip(compiled.generate(prompts, params, use_tqdm=False),
+                    eager.generate(prompts, params, use_tqdm=False)):
         assert c.outputs[0].token_ids == e.outputs[0].token_ids
         for step_c, step_e in zip(c.outputs[0].logprobs, e.outputs[0].logprobs):
             for tok in step_e:

@@ -121,7 +121,7 @@ def test_trace_pattern_reuses_a_trace_per_fake_mode_and_shapes(monkeypatch):
         c = base.trace_pattern(_rope_like, [torch.empty(3, 4), torch.empty(4)])  # new shapes: traced
     assert len(calls) == 2
     assert a is not b and a.graph is not b.graph  # each caller may edit its own copy
-    first_shape = lambda gm: tuple(next(iter(gm.graph.find_nodes(op="placeholder"))).meta["val"].shape)
+    first_shape = lambda gm: tuple(next(iter(gm.graph.find_nodes(op="placeholder"))).meta["val"].shape)  # noqa: E731
     assert a.code == b.code and first_shape(b) == (8, 4) and first_shape(c) == (3, 4)
     for n_a, n_b in zip(a.graph.nodes, b.graph.nodes):
         assert (n_a.op, n_a.target) == (n_b.op, n_b.target)

@@ -10,8 +10,8 @@ from compilelm.entrypoints.cli import main as cli_main
 from compilelm.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from compilelm.graphs import CompileConfig
 from compilelm.passes import FusionPass, PassConfig, PassManager
-from compilelm.passes.manager import parse_pass_spec
 from compilelm.passes.debug.testing import check_pass, run_passes
+from compilelm.passes.manager import parse_pass_spec
 
 EXAMPLE = "examples.my_fusion_pass:MeanSquareFusionPass"
 
@@ -56,7 +56,8 @@ def test_custom_passes_coexist_with_builtins_in_order():
         f"{EXAMPLE},after=NoOpEliminationPass",
     )
     m = PassManager(PassConfig(), specs)
-    assert [p.name for p in m.whole_graph] == ["NoOpEliminationPass", "AllReduceRMSNormFusionPass", "MeanSquareFusionPass",
+    assert [p.name for p in m.whole_graph] == ["NoOpEliminationPass", "AllReduceRMSNormFusionPass",
+                                               "MeanSquareFusionPass",
                                              "RopeAttentionFusionPass"]
     post = [p.name for p in m.post_grad]
     assert post[:2] == ["NoOpEliminationPass", "MeanSquareFusionPass"] and post[-1] == "DoubleReluPass"

@@ -5,8 +5,17 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from compilelm.passes import (
-    CompilePass, FusionPass, InplaceLoweringPass, NoOpEliminationPass, PassConfig, PassManager,
-    load_pass, max_error, pass_uuid, register_inplace, snapshot,
+    CompilePass,
+    FusionPass,
+    InplaceLoweringPass,
+    NoOpEliminationPass,
+    PassConfig,
+    PassManager,
+    load_pass,
+    max_error,
+    pass_uuid,
+    register_inplace,
+    snapshot,
 )
 
 aten = torch.ops.aten
@@ -161,7 +170,8 @@ def test_fusion_pass_in_a_few_lines():
 # -- identity, manager, loading ----------------------------------------------------------------
 
 def test_uuid_follows_source_and_config(tmp_path, monkeypatch):
-    src = "from compilelm.passes import CompilePass\nclass P(CompilePass):\n    def run(self, graph):\n        return 0\n"
+    src = ("from compilelm.passes import CompilePass\nclass P(CompilePass):\n"
+           "    def run(self, graph):\n        return 0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "uuid_pass_a.py").write_text(src)
     (tmp_path / "uuid_pass_b.py").write_text(src + "# edited\n")
@@ -176,8 +186,10 @@ def test_manager_order_switches_and_uuid():
     assert [p.name for p in on.whole_graph] == ["NoOpEliminationPass", "AllReduceRMSNormFusionPass",
                                                 "RopeAttentionFusionPass"]
     assert [p.name for p in on.post_grad + on.tail] == ["NoOpEliminationPass", "UnfuseResidualAddmmPass",
-                                                        "RouteLinearPass", "RMSNormLinearFusionPass", "SiluMulLinearFusionPass",
-                                                        "QKVRopeFusionPass", "NormGemmFusionPass", "RMSNormQuantFusionPass",
+                                                        "RouteLinearPass", "RMSNormLinearFusionPass",
+                                                        "SiluMulLinearFusionPass",
+                                                        "QKVRopeFusionPass", "NormGemmFusionPass",
+                                                        "RMSNormQuantFusionPass",
                                                         "SiluMulQuantFusionPass",
                                                         "CleanupPass", "InplaceLoweringPass", "CleanupPass"]
     off = PassManager(PassConfig(eliminate_noops=False, lower_inplace=False, fuse_rope_attention=False,
@@ -219,5 +231,6 @@ def test_manager_runs_inside_inductor(inductor_dir, monkeypatch):
                                                              "fx_graph_cache": False})
     with torch._functorch.config.patch(enable_autograd_cache=False):  # make Inductor really run
         torch.testing.assert_close(compiled(x, w), f(x, w))
-    assert [r.name for r in recorder.records] == ["NoOpEliminationPass", "CleanupPass", "InplaceLoweringPass", "CleanupPass"]
+    assert [r.name for r in recorder.records] == ["NoOpEliminationPass", "CleanupPass", "InplaceLoweringPass",
+                                                  "CleanupPass"]
     assert all(r.max_error == 0.0 for r in recorder.records)

@@ -59,7 +59,8 @@ class Layer(nn.Module):
 
     def forward(self, x, cos, sin):
         q, k, v = self.qkv(self.input_norm(x)).split(self.sizes, -1)
-        x = x + self.o_proj(torch.ops.compilelm_test.attention(rope(q, cos, sin), rope(k, cos, sin), v, self.layer_name))
+        x = x + self.o_proj(torch.ops.compilelm_test.attention(rope(q, cos, sin), rope(k, cos, sin), v,
+                                                               self.layer_name))
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, -1)
         return x + self.down(F.silu(gate) * up)
 

@@ -58,8 +58,8 @@ def _spawn(fn, *args):
 
 
 def _rank_main(fn, rank, port, failures, args):
-    import compilelm.ops.collectives  # noqa: F401  (registers the ops' CUDA impls)
     import compilelm.ops  # noqa: F401  (loads the kernels)
+    import compilelm.ops.collectives  # noqa: F401  (registers the ops' CUDA impls)
     from compilelm.distributed.parallel_state import destroy_distributed, init_distributed
     try:
         device = torch.device("cuda", rank)

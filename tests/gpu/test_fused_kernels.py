@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from compilelm import LLM, SamplingParams
-from compilelm.ops.activation import silu_and_mul
-from compilelm.ops.norm import rms_norm
 from compilelm.ops import fused_add_rms_norm_ref, rope_and_cache_ref
 from compilelm.ops import quant as q_ops
+from compilelm.ops.activation import silu_and_mul
+from compilelm.ops.norm import rms_norm
 from tests.test_fused_ops import quant_cases, rope_inputs
 
 pytestmark = pytest.mark.gpu

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.library import opcheck
 
-from compilelm.ops import fused_add_rms_norm_linear, rms_norm_linear, linear, linear_out
+from compilelm.ops import fused_add_rms_norm_linear, linear, linear_out, rms_norm_linear
+from compilelm.ops.gemm import gate_up_silu_mul, silu_mul_linear
 from compilelm.ops.hopper_gemm import triton
-from compilelm.ops.gemm import silu_mul_linear, gate_up_silu_mul
 
 pytestmark = [
     pytest.mark.gpu,

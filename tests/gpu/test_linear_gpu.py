@@ -207,7 +207,8 @@ def check_norm_mm(x, r, gamma, w):
         want = rms_norm(h, gamma, EPS).double() @ w.double().t()
         assert got.dtype == x.dtype and got.shape == want.shape
         err = (got.double() - want).abs().max().item() / (want.abs().max().item() + 1e-6)
-        assert err <= TOL[x.dtype], f"relative error {err:.2e}, residual {residual is not None}, x {tuple(x.shape)} {x.dtype}"
+        assert err <= TOL[x.dtype], (f"relative error {err:.2e}, residual {residual is not None}, "
+                                     f"x {tuple(x.shape)} {x.dtype}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -362,7 +363,8 @@ def check_act_mm(x, w):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 2, 3])
-@pytest.mark.parametrize("n, k", [(576, 1536), (577, 1536), (1024, 3072), (7, 8), (64, 14336)])  # 14336: M = 2 over the shared-memory limit
+@pytest.mark.parametrize("n, k", [(576, 1536), (577, 1536), (1024, 3072), (7, 8),
+                                  (64, 14336)])  # 14336: M = 2 over the shared-memory limit
 def test_silu_mul_kernel_matches_reference(dtype, m, n, k):
     g = torch.Generator(device="cuda").manual_seed(m * 1000 + n)
     x = (torch.randn(m, 2 * k, device="cuda", generator=g) * 2).to(dtype)

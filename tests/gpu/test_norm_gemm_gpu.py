@@ -77,10 +77,12 @@ def test_qkv_side(m):
     inv = 1.0 / (500000 ** (torch.arange(0, D, 2, device="cuda").float() / D))
     ang = torch.arange(1024, device="cuda").float()[:, None] * inv[None]
     cos_sin = torch.cat([ang.cos(), ang.sin()], -1)
-    q, h = ops.linear_add_rms_norm_qkv_rope_cache(x, w, residual, EPS, w2, positions, cos_sin, *caches[:2], slots, HEADS)
+    q, h = ops.linear_add_rms_norm_qkv_rope_cache(x, w, residual, EPS, w2, positions, cos_sin, *caches[:2],
+                                                  slots, HEADS)
     prod, want_h = reference(x, w, residual, w2)
     # the reference's projection (rounded) through rope_and_cache, as qkv_rope_cache's reference
-    parts = [t.reshape(m, -1, D).contiguous() for t in prod.to(x.dtype).split([HEADS * D, KV_HEADS * D, KV_HEADS * D], -1)]
+    parts = [t.reshape(m, -1, D).contiguous()
+             for t in prod.to(x.dtype).split([HEADS * D, KV_HEADS * D, KV_HEADS * D], -1)]
     want_q = ops.rope_and_cache(positions, *parts, cos_sin, None, None, 0.0, *caches[2:], slots)
     assert q.shape == (m, HEADS, D) and rel_err(q, want_q) < 2e-2 and rel_err(h, want_h) < 1e-2
     for got, want in zip(caches[:2], caches[2:]):

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from compilelm import LLM, SamplingParams
+from compilelm.graphs.cudagraph.piecewise import PiecewiseGraphs
 from compilelm.graphs.step_inputs import HostBatch
 from compilelm.runtime.model_runner import StepInputs
-from compilelm.graphs.cudagraph.piecewise import PiecewiseGraphs
 from tests.gpu.test_engine_gpu import build_hf_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]

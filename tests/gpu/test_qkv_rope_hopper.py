@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.library import opcheck
 
-from compilelm.ops import rope_and_cache, linear
+from compilelm.ops import linear, rope_and_cache
 from compilelm.ops.hopper_gemm import triton
 
 ops = torch.ops.compilelm
@@ -125,7 +125,8 @@ def test_cuda_graph_replays_with_new_inputs():
 def test_opcheck_and_bad_input():
     x, w, positions, cos_sin, slots, cache = case(8, 32, 8, 128, 4096, torch.bfloat16, torch.float32)
     q_out = torch.empty(8, 32, 128, device="cuda", dtype=torch.bfloat16)
-    opcheck(ops.hopper_mm_rope_out.default, (x, w, positions, cos_sin, cache.clone(), cache.clone(), slots, q_out, True))
+    opcheck(ops.hopper_mm_rope_out.default, (x, w, positions, cos_sin, cache.clone(), cache.clone(), slots, q_out,
+                                             True))
     opcheck(ops.qkv_rope_cache.default, (x, w, positions, cos_sin, cache.clone(), cache.clone(), slots, 32))
     with pytest.raises(RuntimeError, match="hopper_mm_rope_out"):  # q_out of the wrong head count
         ops.hopper_mm_rope_out(x, w, positions, cos_sin, cache, cache, slots, q_out[:, :16], True)

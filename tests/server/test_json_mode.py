@@ -10,8 +10,7 @@ import random
 import pytest
 import torch
 
-from compilelm.entrypoints.openai.json_mode import (_INITIAL, JsonObjectLogitsProcessor, JsonVocab,
-                                                    advance_text)
+from compilelm.entrypoints.openai.json_mode import _INITIAL, JsonObjectLogitsProcessor, JsonVocab, advance_text
 
 VALID = ['{}', '{"a": 1}', '{"a": [1, 2.5, -3e+2, 0.1E-4, true, false, null]}',
          '{"k": {"n": {"m": []}}, "s": "q\\"uo\\\\te\\u00e9\\n"}', '{ "x" : "  " , "y":{} }',

@@ -15,8 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.utils import (DUMMY, RemoteServer, dummy_server, stream_to_end, wait_healthy,
-                                wait_in_flight)
+from tests.server.utils import DUMMY, RemoteServer, dummy_server, stream_to_end, wait_healthy, wait_in_flight
 
 pytestmark = pytest.mark.slow
 

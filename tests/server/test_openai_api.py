@@ -163,7 +163,7 @@ def test_completion_logprobs(client, model_name):
                                   logprobs=3)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
-    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for _tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert val <= 0 and 3 <= len(top) <= 4
         assert math.isclose(val, max(top.values()), abs_tol=1e-6)  # greedy picks the top token
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]

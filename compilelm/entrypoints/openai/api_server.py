@@ -26,13 +26,22 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from compilelm.entrypoints.openai.errors import OpenAIError, install_error_handlers, unavailable
 from compilelm.entrypoints.openai.metrics import CONTENT_TYPE
 from compilelm.entrypoints.openai.middleware import AuthMiddleware, BodyLimitMiddleware
-from compilelm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
-                                                   CompletionRequest, CompletionResponse,
-                                                   DetokenizeRequest, DetokenizeResponse,
-                                                   ErrorResponse, ModelCard, ModelList,
-                                                   TokenizeChatRequest, TokenizeRequest,
-                                                   TokenizeResponse, TokenizerInfoResponse,
-                                                   VersionResponse)
+from compilelm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenizerInfoResponse,
+    VersionResponse,
+)
 from compilelm.entrypoints.openai.serving_chat import OpenAIServingChat
 from compilelm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from compilelm.entrypoints.openai.serving_engine import ServerState

@@ -13,13 +13,23 @@ import time
 from collections.abc import AsyncIterator
 
 from compilelm.entrypoints.openai.errors import OpenAIError, bad_request, sse_error_event
-from compilelm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
-                                                   ChatCompletionLogProbsContent,
-                                                   ChatCompletionRequest, ChatCompletionResponse,
-                                                   ChatCompletionResponseChoice, ChatResponseMessage,
-                                                   UsageInfo)
-from compilelm.entrypoints.openai.serving_engine import (ChoiceStream, OpenAIServing, clamp_logprob,
-                                                         holdback_for, random_id)
+from compilelm.entrypoints.openai.protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatResponseMessage,
+    UsageInfo,
+)
+from compilelm.entrypoints.openai.serving_engine import (
+    ChoiceStream,
+    OpenAIServing,
+    clamp_logprob,
+    holdback_for,
+    random_id,
+)
 from compilelm.models.tokenizer import apply_chat_template
 from compilelm.runtime.async_engine import RequestStream
 

@@ -12,11 +12,20 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from compilelm.entrypoints.openai.errors import OpenAIError, bad_request, sse_error_event
-from compilelm.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest,
-                                                   CompletionResponse, CompletionResponseChoice,
-                                                   UsageInfo)
-from compilelm.entrypoints.openai.serving_engine import (ChoiceStream, OpenAIServing, clamp_logprob,
-                                                         holdback_for, random_id)
+from compilelm.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    UsageInfo,
+)
+from compilelm.entrypoints.openai.serving_engine import (
+    ChoiceStream,
+    OpenAIServing,
+    clamp_logprob,
+    holdback_for,
+    random_id,
+)
 from compilelm.outputs import RequestOutput
 from compilelm.runtime.async_engine import RequestStream
 from compilelm.sampling_params import SamplingParams
@@ -67,7 +76,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 finals[i] = out
         choices = []
         usage = UsageInfo()
-        for i, (text, ids, params) in enumerate(prepared):
+        for i, (text, ids, _params) in enumerate(prepared):
             out = finals[i]
             usage.prompt_tokens += len(ids)
             for c in out.outputs:

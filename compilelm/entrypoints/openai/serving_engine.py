@@ -18,8 +18,14 @@ from dataclasses import dataclass, field
 from compilelm.entrypoints.openai.errors import OpenAIError, bad_request, internal_error, unavailable
 from compilelm.entrypoints.openai.logit_bias import LogitBiasProcessor, parse_logit_bias
 from compilelm.outputs import CompletionOutput, RequestOutput
-from compilelm.runtime.async_engine import (AsyncLLMEngine, EngineDeadError, EngineNotReadyError,
-                                            QueueFullError, RequestAbortedError, RequestStream)
+from compilelm.runtime.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineNotReadyError,
+    QueueFullError,
+    RequestAbortedError,
+    RequestStream,
+)
 from compilelm.sampling_params import SamplingParams
 
 _LOGPROB_FLOOR = -9999.0  # JSON has no -inf

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch._dynamo.backends.common import aot_autograd

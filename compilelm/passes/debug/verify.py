@@ -8,7 +8,7 @@ forward context) are replaced, in both graphs alike, by a deterministic stand-in
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch._ops import OpOverload

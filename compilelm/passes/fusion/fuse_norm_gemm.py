@@ -90,7 +90,7 @@ class NormGemmFusionPass(FusionPass):
         return any(graph.find_nodes(op="call_function", target=t) for t in FUSED)
 
     def register(self) -> None:
-        for pattern, fused in PATTERNS:
+        for pattern, _ in PATTERNS:
             pm.register_graph_pattern(pattern, extra_check=_same_dtype_last_dim, pass_dict=self.patterns)(_rewrite)
 
     def prepare_model(self, model: nn.Module) -> str | None:

@@ -56,7 +56,8 @@ def replace_rms_norm_linear(x, norm_weight, weight, eps):
 class RMSNormLinearFusionPass(LinearFusionPass):
     def register(self):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            x, norm_w, w = torch.empty(4, 16, dtype=dtype), torch.empty(16, dtype=dtype), torch.empty(8, 16, dtype=dtype)
+            x, norm_w, w = (torch.empty(4, 16, dtype=dtype), torch.empty(16, dtype=dtype),
+                            torch.empty(8, 16, dtype=dtype))
             # with-residual pattern first: it contains the plain one
             self.replace(pattern_fused_add_rms_norm_linear, replace_fused_add_rms_norm_linear,
                          [x, x.clone(), norm_w, w], extra_check=_applies, scalar_workaround=EPS)

@@ -55,7 +55,8 @@ def _rope_cache_of(qkv: pm.PatternExpr) -> pm.PatternExpr:
 
 
 _x, _w, _norm_w, _eps, _residual = (KeywordArg(n) for n in ("x", "w", "norm_w", "eps", "residual"))
-_add_norm_linear = CallFunction(ops.fused_add_rms_norm_linear.default, _x, _residual, _norm_w, _eps, _w, _users=MULTIPLE)
+_add_norm_linear = CallFunction(ops.fused_add_rms_norm_linear.default, _x, _residual, _norm_w, _eps, _w,
+                                _users=MULTIPLE)
 # (projection pattern, the fused op, the projection's arguments in the fused op's order)
 PATTERNS = [
     (CallFunction(ops.linear.default, _x, _w), ops.qkv_rope.default, ("x", "w")),

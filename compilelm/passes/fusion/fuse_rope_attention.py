@@ -15,7 +15,8 @@ math is gone from the pieces. Before (one layer, fp32, as the aten graph shows i
 
 After (with `passes.fuse_qkv_rope` off):
 
-    attn: "f32[s72, 576]" = compilelm.unified_attention_rope(q, k, v, positions, cos_sin_cache, 64, 'model.layers.0.self_attn.attn')
+    attn: "f32[s72, 576]" = compilelm.unified_attention_rope(q, k, v, positions, cos_sin_cache, 64,
+                                                             'model.layers.0.self_attn.attn')
 
 and with `passes.fuse_qkv_rope` (the default at -O2) RoPE and the KV-cache write stay in the
 piece before the split (this SmolLM2-135M layer), one op that the QKV projection takes in on CUDA

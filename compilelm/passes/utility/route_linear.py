@@ -65,7 +65,7 @@ def _transposed_weight(node) -> torch.fx.Node | None:
     """w if `node` is permute(w, [1, 0]) or t(w) of a weight w (a graph input or constant), else None."""
     if not isinstance(node, torch.fx.Node) or node.op != "call_function":
         return None
-    if node.target == aten.permute.default and list(node.args[1]) == [1, 0] or node.target == aten.t.default:
+    if (node.target == aten.permute.default and list(node.args[1]) == [1, 0]) or node.target == aten.t.default:
         w = node.args[0]
         return w if isinstance(w, torch.fx.Node) and w.op in ("placeholder", "get_attr") else None
     return None

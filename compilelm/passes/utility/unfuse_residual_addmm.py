@@ -29,7 +29,8 @@ aten = torch.ops.aten
 
 class UnfuseResidualAddmmPass(CompilePass):
     def applies_to(self, graph: torch.fx.Graph) -> bool:  # (not on CPU graphs)
-        return any(_full_residual(n.args[0], n) for n in graph.find_nodes(op="call_function", target=aten.addmm.default))
+        return any(_full_residual(n.args[0], n)
+                   for n in graph.find_nodes(op="call_function", target=aten.addmm.default))
 
     def run(self, graph: torch.fx.Graph) -> int:
         count = 0
