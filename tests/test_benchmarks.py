@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks import bench_throughput
+from benchmarks import bench_throughput, bench_vs_vllm
 
 
 def test_workload_is_seeded_and_in_range():
@@ -184,3 +184,29 @@ def test_summary_judges_startup_on_compile_and_capture(tmp_path):
     assert warm["target/reference"] == "target 5.0 s (ready: MISSED)"
     assert got["smollm2-135m cold"]["value"] == "9.5 s compile+capture, 18.0 s ready"
     assert got["old warm"] == {**got["old warm"], "value": "5.5 s ready", "status": "-"}
+
+
+def test_vs_vllm_runs_compilelm_alone_where_vllm_is_absent(tmp_path):
+    """bench_vs_vllm without a vLLM site: one compilelm worker process per model, every metric
+    measured, the ratio column empty (never a made-up peer number)."""
+    out = tmp_path / "bench_vs_vllm.json"
+    payload = bench_vs_vllm.main(["--models", "dummy:smollm2-135m", "--layers", "2", "--small", "--enforce-eager",
+                                  "--batches", "1", "2", "--contexts", "16", "--decode-steps", "2", "6",
+                                  "--prefill", "2x16", "--repeat", "1", "--max-model-len", "128",
+                                  "--vllm-site", str(tmp_path / "no_vllm"), "--out", str(out)])
+    (row,) = payload["rows"]
+    assert payload["vllm"] is False and row["engine"] == "compilelm" and "error" not in row
+    metrics = {"start_s", "decode_ms b1 c16", "decode_ms b2 c16", "prefill_tok_s 2x16",
+               "throughput_tok_s nano-vllm", "throughput_tok_s long-prompt"}
+    assert metrics <= set(row) and all(row[m] > 0 for m in metrics)
+    assert {r["metric"] for r in payload["ratios"]} == metrics
+    assert all(r["vllm"] is None and r["compilelm_advantage"] is None for r in payload["ratios"])
+    assert json.loads(out.read_text())["benchmark"] == "bench_vs_vllm"
+
+
+def test_vs_vllm_ratio_direction():
+    """Advantage > 1 means compilelm ahead: a lower ms/step or start time, a higher tok/s."""
+    rows = [{"engine": "compilelm", "model": "m", "decode_ms b1 c1000": 4.0, "prefill_tok_s 16x2000": 30.0},
+            {"engine": "vllm", "model": "m", "decode_ms b1 c1000": 5.0, "prefill_tok_s 16x2000": 40.0}]
+    adv = {r["metric"]: r["compilelm_advantage"] for r in bench_vs_vllm.ratios(rows)}
+    assert adv == {"decode_ms b1 c1000": 1.25, "prefill_tok_s 16x2000": 0.75}

@@ -1,0 +1,216 @@
+"""compilelm against vLLM on one machine: the same random-weight shapes, the same requests, one
+engine per process, one table of ratios.
+
+Each (engine, model) runs in a process of its own (vLLM from `--vllm-site`, a folder built by
+../shared/peers/build_vllm_site.sh; without it, compilelm alone) and measures, through its
+offline `LLM.generate` with token-id prompts, `ignore_eos` and no detokenization:
+
+- start: process start -> the engine ready (imports, weights, compile, CUDA graphs);
+- decode ms/step at each batch x context: (t(long) - t(short)) / (long - short) for `batch` fresh
+  prompts of `context` tokens and `--decode-steps` (short, long) output tokens, greedy, so the
+  prefill cancels;
+- prefill tok/s: `--prefill` batches of prompts (e.g. 16x2000), one output token, fresh prompts
+  (no prefix-cache hits), best of `--repeat`;
+- offline throughput in output tok/s on two mixes: nano-vllm's (256 requests, prompt and output
+  lengths uniform in 100-1024, temperature 0.6) and long prompts / short outputs (prompts
+  1000-4000, outputs 50-300).
+
+Random weights: compilelm's `dummy:<preset>`; vLLM's `load_format="dummy"` over a folder holding
+only that preset's config.json. The prompts of both engines come from the same seeds.
+
+    python benchmarks/bench_vs_vllm.py [--models dummy:qwen3-0.6b ...] [--vllm-site /tmp/vllm_site]
+    python benchmarks/bench_vs_vllm.py --models dummy:smollm2-135m --layers 2 --small   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import print_table, write_result  # noqa: E402
+
+MIXES = {"nano-vllm": dict(n=256, prompt=(100, 1024), output=(100, 1024), temperature=0.6),
+         "long-prompt": dict(n=128, prompt=(1000, 4000), output=(50, 300), temperature=0.6)}
+SMALL_MIXES = {"nano-vllm": dict(n=6, prompt=(4, 24), output=(4, 12), temperature=0.6),
+               "long-prompt": dict(n=4, prompt=(24, 48), output=(2, 6), temperature=0.6)}
+
+
+def token_prompts(n: int, lengths: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
+    """`n` prompts of random token ids below min(10000, vocab), lengths uniform in `lengths`."""
+    rng = random.Random(seed)
+    return [[rng.randrange(min(10000, vocab)) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
+# -- the engines, behind one interface: generate(prompts, max_tokens per prompt, temperature) ----
+
+class CompilelmEngine:
+    def __init__(self, model: str, args):
+        from compilelm import LLM, SamplingParams
+
+        self.sp = SamplingParams
+        overrides = {"num_hidden_layers": args.layers} if args.layers else {}
+        self.llm = LLM(model, max_model_len=args.max_model_len, model_overrides=overrides,
+                       enforce_eager=args.enforce_eager, seed=0)
+        self.vocab = self.llm.engine.model_config.vocab_size
+
+    def generate(self, prompts, max_tokens, temperature=0.0) -> int:
+        params = [self.sp(temperature=temperature, max_tokens=m, ignore_eos=True) for m in max_tokens]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+class VllmEngine:
+    def __init__(self, model: str, args):
+        from vllm import LLM, SamplingParams
+
+        from compilelm.models.config import DUMMY_PRESETS
+
+        config = {**DUMMY_PRESETS[model.split(":", 1)[1]], "torch_dtype": "bfloat16"}
+        config["model_type"] = "qwen3" if config["architectures"][0].startswith("Qwen3") else "llama"
+        if args.layers:
+            config["num_hidden_layers"] = args.layers
+        self.dir = tempfile.mkdtemp(prefix="vllm_dummy_")
+        with open(os.path.join(self.dir, "config.json"), "w") as f:
+            json.dump(config, f)
+        self.sp = SamplingParams
+        self.llm = LLM(model=self.dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+                       max_model_len=args.max_model_len, gpu_memory_utilization=0.85, seed=0,
+                       enforce_eager=args.enforce_eager)
+        self.vocab = config["vocab_size"]
+
+    def generate(self, prompts, max_tokens, temperature=0.0) -> int:
+        params = [self.sp(temperature=temperature, max_tokens=m, ignore_eos=True, detokenize=False)
+                  for m in max_tokens]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(engine, prompts, max_tokens, temperature=0.0) -> tuple[float, int]:
+    sync()
+    t0 = time.perf_counter()
+    tokens = engine.generate(prompts, max_tokens, temperature)
+    sync()
+    return time.perf_counter() - t0, tokens
+
+
+def measure(engine_name: str, model: str, args, started: float) -> dict:
+    """Every measurement of one engine on one model (in this process)."""
+    engine = (VllmEngine if engine_name == "vllm" else CompilelmEngine)(model, args)
+    out = {"engine": engine_name, "model": model, "start_s": time.time() - started}
+    vocab, seed = engine.vocab, iter(range(1000, 10**6))
+    timed(engine, token_prompts(2, (8, 16), vocab, 0), [4, 4])  # warm-up (lazy init, first sizes)
+    short, long_ = args.decode_steps
+    for batch in args.batches:
+        for context in args.contexts:
+            times = []
+            for steps in (short, long_):
+                prompts = token_prompts(batch, (context, context), vocab, next(seed))
+                times.append(timed(engine, prompts, [steps] * batch)[0])
+            out[f"decode_ms b{batch} c{context}"] = 1e3 * (times[1] - times[0]) / (long_ - short)
+    for spec in args.prefill:
+        n, length = map(int, spec.split("x"))
+        best = min(timed(engine, token_prompts(n, (length, length), vocab, next(seed)), [1] * n)[0]
+                   for _ in range(args.repeat))
+        out[f"prefill_tok_s {spec}"] = n * length / best
+    rng = random.Random(7)
+    for name, mix in (SMALL_MIXES if args.small else MIXES).items():
+        prompts = token_prompts(mix["n"], mix["prompt"], vocab, next(seed))
+        lens = [rng.randint(*mix["output"]) for _ in prompts]
+        wall, tokens = timed(engine, prompts, lens, mix["temperature"])
+        out[f"throughput_tok_s {name}"] = tokens / wall
+    return out
+
+
+def run_one(engine_name: str, model: str, args) -> dict:
+    """`measure` in a fresh process (vLLM's with its site folder on PYTHONPATH)."""
+    env = dict(os.environ)
+    if engine_name == "vllm":
+        env.update(PYTHONPATH=os.pathsep.join([args.vllm_site, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+                   VLLM_USE_FLASHINFER_SAMPLER="0", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result = f.name
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", engine_name, model, result, *sys.argv[1:]]
+    env["BENCH_VS_VLLM_LAUNCHED"] = repr(time.time())  # the worker's start_s counts from here
+    proc = subprocess.run(cmd, env=env, timeout=args.timeout)
+    if proc.returncode != 0 or not os.path.getsize(result):
+        return {"engine": engine_name, "model": model, "error": f"exit code {proc.returncode}"}
+    with open(result) as f:
+        return json.load(f)
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """One row per (model, metric): compilelm, vLLM and compilelm's advantage (> 1: compilelm ahead;
+    for ms/step and start time, the inverse ratio)."""
+    table = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        ours = next((r for r in rows if r["model"] == model and r["engine"] == "compilelm"), {})
+        peer = next((r for r in rows if r["model"] == model and r["engine"] == "vllm"), {})
+        for metric in [k for k in ours if k not in ("engine", "model", "error")]:
+            a, b = ours[metric], peer.get(metric)
+            lower_is_better = metric.startswith(("decode_ms", "start_s"))
+            adv = None if b is None else (b / a if lower_is_better else a / b)
+            table.append({"model": model, "metric": metric, "compilelm": a, "vllm": b, "compilelm_advantage": adv})
+    return table
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["dummy:qwen3-0.6b", "dummy:llama-3.2-1b", "dummy:llama-3.1-8b"])
+    ap.add_argument("--vllm-site", default=os.environ.get("VLLM_SITE", "/tmp/vllm_site"),
+                    help="vLLM's site-packages folder (build_vllm_site.sh); absent: compilelm alone")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1000, 16000])
+    ap.add_argument("--decode-steps", type=int, nargs=2, default=[16, 80])
+    ap.add_argument("--prefill", nargs="+", default=["16x2000", "4x8000"], help="NxLENGTH prompt batches")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--max-model-len", type=int, default=16384 + 128)
+    ap.add_argument("--layers", type=int, default=None, help="cut every model to this many layers")
+    ap.add_argument("--small", action="store_true", help="tiny mixes (CPU smoke test)")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--out", default=None)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:  # a measuring process: --worker ENGINE MODEL RESULT_JSON <the driver's args>
+        started = float(os.environ.get("BENCH_VS_VLLM_LAUNCHED", time.time()))
+        engine_name, model, result = argv[1:4]
+        row = measure(engine_name, model, parse(argv[4:]), started)
+        with open(result, "w") as f:
+            json.dump(row, f)
+        return row
+    args = parse(argv)
+    have_vllm = os.path.isdir(os.path.join(args.vllm_site, "vllm"))
+    if not have_vllm:
+        print(f"no vLLM at {args.vllm_site}: compilelm alone", flush=True)
+    sys.argv = [sys.argv[0], *argv]  # what run_one hands its workers
+    rows = []
+    for model in args.models:
+        for engine_name in ("compilelm", "vllm") if have_vllm else ("compilelm",):
+            rows.append(run_one(engine_name, model, args))
+            print(json.dumps(rows[-1]), flush=True)
+    table = ratios(rows)
+    print_table(table, ["model", "metric", "compilelm", "vllm", "compilelm_advantage"])
+    payload = {"rows": rows, "ratios": table, "vllm": have_vllm, "args": vars(args)}
+    print("wrote", write_result("bench_vs_vllm", payload, args.out))
+    return payload
+
+
+if __name__ == "__main__":
+    main()
