@@ -1,6 +1,7 @@
 """compilelm's graph passes and the API for writing new ones (see docs/writing_a_pass.md).
 
-    base.py, manager.py, config.py   the pass base classes, the ordered pass list, the switches
+    base.py, fusion_pass.py          CompilePass (the hooks, identity, dumps); FusionPass (patterns)
+    manager.py, config.py            the ordered pass list, the switches
                                      (config.py's BUILTIN_PASSES: one line registers a pass)
     fusion/                          one fusion per file: fuse_<what>.py holding <What>FusionPass
     utility/                         no-op elimination, linear routing, cleanup, in-place lowering
@@ -15,7 +16,7 @@ from compilelm.passes.config import PassConfig  # noqa: F401  (in __all__)
 
 # name -> the module of this package that defines it
 _LAZY = {
-    "CompilePass": "base", "FusionPass": "base", "pass_uuid": "base",
+    "CompilePass": "base", "FusionPass": "fusion_pass", "pass_uuid": "base",
     "CleanupPass": "utility.cleanup",
     "InplaceLoweringPass": "utility.inplace_lowering", "register_inplace": "utility.inplace_lowering",
     "PassManager": "manager", "load_pass": "manager",

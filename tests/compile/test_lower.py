@@ -1,6 +1,6 @@
 """Lowering Dynamo's graph one distinct piece at a time (graphs/lower.py) gives the graph
 whole-model AOTAutograd gives; a piece that mutates an input falls back to whole-model AOT;
-the matcher's per-match retraces are reused within one compile (passes/base.py)."""
+the matcher's per-match retraces are reused within one compile (passes/fusion_pass.py)."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import compilelm.graphs.backend as backend
 import compilelm.graphs.lower as lower
-import compilelm.passes.base as base
+import compilelm.passes.fusion_pass as fusion_pass
 from compilelm.graphs import CompiledModel
 from tests.compile.toy_model import SPLIT_OP, ToyModel, inputs
 
@@ -111,14 +111,14 @@ def _rope_like(x, w):
 
 def test_trace_pattern_reuses_a_trace_per_fake_mode_and_shapes(monkeypatch):
     calls = []
-    fwd_only = base.pm.fwd_only
-    monkeypatch.setattr(base.pm, "fwd_only", lambda fn, args, **kw: calls.append(fn) or fwd_only(fn, args, **kw))
+    fwd_only = fusion_pass.pm.fwd_only
+    monkeypatch.setattr(fusion_pass.pm, "fwd_only", lambda fn, args, **kw: calls.append(fn) or fwd_only(fn, args, **kw))
     mode = FakeTensorMode(shape_env=ShapeEnv())
     with mode:
         x, w = torch.empty(8, 4), torch.empty(4)
-        a = base.trace_pattern(_rope_like, [x, w])
-        b = base.trace_pattern(_rope_like, [torch.empty(8, 4), torch.empty(4)])  # same shapes: reused
-        c = base.trace_pattern(_rope_like, [torch.empty(3, 4), torch.empty(4)])  # new shapes: traced
+        a = fusion_pass.trace_pattern(_rope_like, [x, w])
+        b = fusion_pass.trace_pattern(_rope_like, [torch.empty(8, 4), torch.empty(4)])  # same shapes: reused
+        c = fusion_pass.trace_pattern(_rope_like, [torch.empty(3, 4), torch.empty(4)])  # new shapes: traced
     assert len(calls) == 2
     assert a is not b and a.graph is not b.graph  # each caller may edit its own copy
     first_shape = lambda gm: tuple(next(iter(gm.graph.find_nodes(op="placeholder"))).meta["val"].shape)  # noqa: E731
@@ -127,13 +127,13 @@ def test_trace_pattern_reuses_a_trace_per_fake_mode_and_shapes(monkeypatch):
         assert (n_a.op, n_a.target) == (n_b.op, n_b.target)
     b.graph.erase_node(next(iter(b.graph.find_nodes(op="output"))))  # editing a copy leaves the kept trace whole
     with mode:
-        d = base.trace_pattern(_rope_like, [x, w])
+        d = fusion_pass.trace_pattern(_rope_like, [x, w])
     assert len(calls) == 2 and d.code == a.code
     with FakeTensorMode(shape_env=ShapeEnv()):  # another compile: traced again
-        base.trace_pattern(_rope_like, [torch.empty(8, 4), torch.empty(4)])
+        fusion_pass.trace_pattern(_rope_like, [torch.empty(8, 4), torch.empty(4)])
     assert len(calls) == 3
-    base.trace_pattern(_rope_like, [torch.empty(8, 4), torch.empty(4)])  # real tensors: not kept
-    base.trace_pattern(_rope_like, [torch.empty(8, 4), torch.empty(4)])
+    fusion_pass.trace_pattern(_rope_like, [torch.empty(8, 4), torch.empty(4)])  # real tensors: not kept
+    fusion_pass.trace_pattern(_rope_like, [torch.empty(8, 4), torch.empty(4)])
     assert len(calls) == 5
 
 

@@ -52,7 +52,7 @@ from torch._inductor.pattern_matcher import MULTIPLE, CallFunction, KeywordArg, 
 from compilelm.distributed.parallel_state import get_tp_size
 from compilelm.ops import norm_gemm
 from compilelm.ops.gemm import MAX_INTERMEDIATE
-from compilelm.passes.base import FusionPass
+from compilelm.passes.fusion_pass import FusionPass
 
 ops = torch.ops.compilelm
 aten = torch.ops.aten

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from compilelm.ops.norm import rms_norm
-from compilelm.passes.base import FusionPass
+from compilelm.passes.fusion_pass import FusionPass
 
 ops = torch.ops.compilelm
 EPS = {"eps": 1e-5}  # traced with this value, matched for any value

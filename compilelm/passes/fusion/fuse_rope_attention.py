@@ -46,8 +46,8 @@ from torch._inductor import pattern_matcher as pm
 
 from compilelm.ops.norm import rms_norm
 from compilelm.ops.rope import apply_rope
-from compilelm.passes.base import FusionPass
 from compilelm.passes.debug.verify import STAND_INS, stand_in
+from compilelm.passes.fusion_pass import FusionPass
 
 ops = torch.ops.compilelm
 aten = torch.ops.aten

@@ -20,7 +20,8 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import compilelm.ops  # noqa: F401 (defines compilelm::linear)
-from compilelm.passes.base import CompilePass, FusionPass
+from compilelm.passes.base import CompilePass
+from compilelm.passes.fusion_pass import FusionPass
 
 aten = torch.ops.aten
 MAX_ROWS = 2  # as kMaxRows in csrc/cuda/skinny_mm.cu
