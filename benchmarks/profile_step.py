@@ -7,11 +7,15 @@ For each model and batch: `batch` requests with `context`-token prompts are pref
   GPU busy = the sum of kernel times; wall - busy is the time the GPU had nothing to run.
 - `graph`: the decode CUDA graph replayed alone (kernels inside a graph are traced one by one).
 
+With `--prefill NxLEN` (repeatable): N fresh prompts of LEN tokens, one output token each, every
+step until they finish (chunked by the step budget), under the profiler: where prefill goes.
+
 Kernels are put in kinds by name (GEMM, paged attention, Triton = Inductor's fused code, fused
 ops from csrc, copies, sampling, other), so a reader sees what a fusion or a kernel change can
 win. No asserts; a table per case and JSON.
 
     python benchmarks/profile_step.py [--models dummy:smollm2-135m] [--batches 1 64] [--context 1024]
+    python benchmarks/profile_step.py --models dummy:qwen3-0.6b --batches --prefill 16x2000
 """
 
 from __future__ import annotations
@@ -108,10 +112,32 @@ def run_case(engine, batch: int, context: int, steps: int) -> dict:
     return result
 
 
+def run_prefill(engine, n: int, length: int) -> dict:
+    """Every step of `n` fresh `length`-token prompts with one output token, profiled (after an
+    unprofiled round of other prompts of the same shape: compile sizes, autotuning)."""
+    from compilelm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    steps = []
+
+    def round_(seed: int) -> None:
+        for p in prompts(n, length, engine.model_config.vocab_size, seed):
+            engine.add_request(None, p, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps.append(1)
+
+    round_(1)
+    steps.clear()
+    events, wall = profile(lambda: round_(2), 1)
+    return {"prefill": summarize(events, wall, len(steps)), "steps": len(steps)}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["dummy:smollm2-135m"])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 64])
+    ap.add_argument("--prefill", action="append", default=[], metavar="NxLEN", help="profile a prefill of N prompts")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default=None)
@@ -123,8 +149,20 @@ def main(argv=None) -> dict:
     cases: list[dict] = []
     payload = dict(args=vars(args), cases=cases)
     for name in args.models:
-        llm = LLM(model=name, dtype="bfloat16", max_model_len=args.context + 8 * args.steps + 64,
-                  max_num_seqs=max(args.batches), max_num_batched_tokens=8192)
+        longest = max([args.context + 8 * args.steps] + [int(p.split("x")[1]) for p in args.prefill]) + 64
+        llm = LLM(model=name, dtype="bfloat16", max_model_len=longest,
+                  max_num_seqs=max(args.batches + [int(p.split("x")[0]) for p in args.prefill]),
+                  max_num_batched_tokens=8192)
+        for spec in args.prefill:
+            n, length = map(int, spec.split("x"))
+            case = dict(model=name, prefill=spec, **run_prefill(llm.engine, n, length))
+            cases.append(case)
+            s = case["prefill"]
+            print(f"\n{name} prefill {spec}: {case['steps']} steps, wall {s['wall_us_per_step']:.0f} us/step, GPU busy "
+                  f"{s['gpu_busy_us_per_step']:.0f}, {s['kernels_per_step']:.0f} kernels/step")
+            print("  by kind (us/step): " + ", ".join(f"{k} {v:.0f}" for k, v in s["by_kind"].items()))
+            print_table(s["top"][:15], ["kind", "calls_per_step", "us_per_call", "us_per_step", "name"])
+            write_result("profile_step", payload, args.out)
         for batch in args.batches:
             case = dict(model=name, batch=batch, context=args.context,
                         **run_case(llm.engine, batch, args.context, args.steps))
