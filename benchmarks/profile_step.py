@@ -155,7 +155,7 @@ def main(argv=None) -> dict:
                   max_num_batched_tokens=8192)
         for spec in args.prefill:
             n, length = map(int, spec.split("x"))
-            case = dict(model=name, prefill=spec, **run_prefill(llm.engine, n, length))
+            case = dict(model=name, prefill_spec=spec, **run_prefill(llm.engine, n, length))
             cases.append(case)
             s = case["prefill"]
             print(f"\n{name} prefill {spec}: {case['steps']} steps, wall {s['wall_us_per_step']:.0f} us/step, GPU busy "
