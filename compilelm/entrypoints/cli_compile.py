@@ -4,7 +4,8 @@ The model is loaded exactly as the engine loads it, so the compile-cache key is 
 and `LLM(...)` will compute: running this pre-warms the cache. `--dump DIR` writes what the
 compiler did (graphs before/after every pass, the split, Inductor's code, depyf's decompiled
 bytecode, report.md/report.html); `--verify` runs every pass's graph before and after it on
-random inputs and reports the largest difference. With `--tensor-parallel-size N` every rank
+random inputs and reports the largest difference. Both compile fresh, never from the compile
+cache (a warm start runs no pass, so it would check nothing). With `--tensor-parallel-size N` every rank
 compiles its shard (rank r > 0 dumps into DIR/rank<r>).
 """
 
@@ -74,5 +75,15 @@ def _print_summary(data: dict, dump_dir: str | None) -> None:
         note = f"  ({p['verify_error']})" if p["verify_error"] else ""
         out.write(f"  {p['stage']:<11} {p['pass']:<24} matches {p['matches']:>4}  "
                   f"{p['seconds'] * 1000:8.2f} ms{err}{note}\n")
+    verify = data.get("verify") or {}
+    if verify.get("requested"):
+        out.write(_verify_line(verify))
     if dump_dir:
         out.write(f"dump written to {dump_dir} (report.md, report.html)\n")
+
+
+def _verify_line(v: dict) -> str:
+    if not v["checked"]:
+        return "--verify: NOTHING was checked: no pass ran on a graph that could be run on random inputs\n"
+    failed = f"; {len(v['failed'])} pass runs could not be run (see above)" if v["failed"] else ""
+    return f"--verify: {v['checked']} pass runs checked, largest error {v['max_error']:.3g}{failed}\n"

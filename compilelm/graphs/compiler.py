@@ -1,7 +1,8 @@
 """`compile_model`: turn a model into a compiled `forward(input_ids, positions)`, or load it.
 
 Warm start (the cache holds this key): load every unique piece's Inductor artifact and rebuild
-the stitched function from its stored source — no Dynamo, no Inductor.
+the stitched function from its stored source — no Dynamo, no Inductor. `--dump` and `--verify`
+never start warm: they compile fresh, past every cache, so that every pass runs (and is checked).
 
 Cold start: Dynamo traces `model.forward` once, on dummy inputs, with the token dimension
 marked dynamic and every guard dropped; the compilelm backend compiles (see backend.py); the
@@ -72,7 +73,9 @@ class CompiledModel:
         before, inductor_before = compile_counters.snapshot(), dict(torch_counters["inductor"])
         with self.cache.inductor_env(), torch.no_grad():
             self.load_rewrites += self.manager.prepare_model(self.model)  # warm or cold: the pieces expect it
-            fn = None if self.dumper else self._load()
+            # --dump / --verify compile fresh: a load from the cache would run (and check) no pass
+            fresh = self.dumper is not None or self.config.verify_passes
+            fn = None if fresh else self._load()
             if fn is None:
                 compile_counters.cache_misses += 1
                 fn = self._compile()

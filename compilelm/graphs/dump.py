@@ -22,7 +22,7 @@ import logging
 import os
 import shutil
 
-import torch
+from compilelm.graphs.inductor import bypass_caches
 
 
 class Dumper:
@@ -44,7 +44,7 @@ class Dumper:
         """Inductor config patches for one piece's compile that bypass its FX-graph and AOTAutograd
         caches (so every pass really runs) and keep the generated code as inductor/<name>.py."""
         trace_dir = self.path("inductor", name + ".trace")
-        patches = {"fx_graph_cache": False, "trace.enabled": True, "trace.debug_dir": trace_dir,
+        patches = {"trace.enabled": True, "trace.debug_dir": trace_dir,
                    "trace.fx_graph": False, "trace.fx_graph_transformed": False,
                    "trace.ir_pre_fusion": False, "trace.ir_post_fusion": False}
         # Inductor warns that a cache-less compile cannot be saved and where the trace went.
@@ -53,8 +53,8 @@ class Dumper:
         try:
             for q in quiet:
                 q.setLevel(logging.ERROR)
-            with torch._functorch.config.patch(enable_autograd_cache=False):
-                yield patches
+            with bypass_caches() as no_cache:
+                yield {**patches, **no_cache}
             found = sorted(glob.glob(os.path.join(trace_dir, "**", "output_code.py"), recursive=True))
             for i, src in enumerate(found):
                 shutil.copy(src, self.path("inductor", f"{name}{'' if i == 0 else f'.{i}'}.py"))
@@ -93,7 +93,15 @@ def report_data(cm) -> dict:
         "cache_key_factors": cm.factors,
         "load_rewrites": list(cm.load_rewrites),  # the passes' prepare_model: the model changed before tracing
         "depyf_error": cm.depyf_error,
+        "verify": verify_summary(cm.recorder.records, cm.config.verify_passes),
     }
+
+
+def verify_summary(records, requested: bool) -> dict:
+    """What --verify checked: pass runs measured, the largest error, the runs it could not run."""
+    errors = [r.max_error for r in records if r.max_error is not None]
+    return {"requested": requested, "checked": len(errors), "max_error": max(errors, default=None),
+            "failed": [f"{r.graph}: {r.name}: {r.verify_error}" for r in records if r.verify_error]}
 
 
 def write_report(cm) -> None:

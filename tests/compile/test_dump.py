@@ -78,3 +78,25 @@ def test_dump_contents_and_report(make_config, tmp_path):
     html = (dump / "report.html").read_text()
     assert "<table>" in html and "NoOpEliminationPass" in html and "<script" not in html
     assert report["times_s"]["total"] >= report["times_s"]["inductor"] > 0
+
+
+def test_verify_on_a_warm_cache_compiles_fresh(make_config):
+    """`--verify` after a compile that filled the cache: a warm start would run no pass and check
+    nothing, so it compiles fresh (and saves nothing) and every pass run is measured."""
+    from compilelm.entrypoints.cli_compile import _verify_line
+    from compilelm.graphs.dump import report_data
+
+    model = ToyModel(num_layers=2)
+    CompiledModel(model, make_config(), {"toy": "warm"}).compile()
+    warm = CompiledModel(model, make_config(), {"toy": "warm"})
+    warm.compile()
+    assert warm.mode == "warm" and not warm.recorder.records  # what --verify used to "check"
+
+    cm = CompiledModel(model, make_config(verify_passes=True), {"toy": "warm"})
+    cm.compile()
+    assert cm.mode == "cold" and cm.cache.key == warm.cache.key
+    assert cm.counters["inductor_compiles"] == 3 and cm.counters["artifacts_loaded"] == 0
+    verify = report_data(cm)["verify"]
+    assert verify["checked"] == len(cm.recorder.records) > 0 and verify["max_error"] == 0.0
+    assert _verify_line(verify).startswith(f"--verify: {verify['checked']} pass runs checked")
+    assert "NOTHING was checked" in _verify_line({"checked": 0, "max_error": None, "failed": []})
