@@ -79,7 +79,8 @@ def _print_summary(data: dict, dump_dir: str | None) -> None:
     if verify.get("requested"):
         out.write(_verify_line(verify))
     if dump_dir:
-        out.write(f"dump written to {dump_dir} (report.md, report.html)\n")
+        out.write(f"dump written to {dump_dir} (report.html, report.md, report.json)\n")
+        out.write(f"torch trace (TORCH_TRACE) in {dump_dir}/trace: {data['tlparse']}\n")
 
 
 def _verify_line(v: dict) -> str:

@@ -14,6 +14,7 @@ recompile while serving.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from compilelm.graphs.counters import compile_counters
 from compilelm.graphs.dump import Dumper, write_report
 from compilelm.graphs.inductor import PieceRunner, inductor_patches
 from compilelm.graphs.stitch import build_graph, entry_function
+from compilelm.graphs.torch_trace import torch_trace
 from compilelm.passes import PassManager, PassRecorder
 
 TRACE_TOKENS = 16  # dummy batch for tracing: >= 2, so Dynamo does not specialise on 0/1
@@ -71,7 +73,8 @@ class CompiledModel:
     def compile(self) -> Callable:
         t0 = time.perf_counter()
         before, inductor_before = compile_counters.snapshot(), dict(torch_counters["inductor"])
-        with self.cache.inductor_env(), torch.no_grad():
+        trace = torch_trace(self.dumper.path("trace")) if self.dumper else contextlib.nullcontext()
+        with self.cache.inductor_env(), torch.no_grad(), trace:
             self.load_rewrites += self.manager.prepare_model(self.model)  # warm or cold: the pieces expect it
             # --dump / --verify compile fresh: a load from the cache would run (and check) no pass
             fresh = self.dumper is not None or self.config.verify_passes

@@ -10,6 +10,7 @@
     inductor/<piece>-<size>.py          Inductor's generated code per compiled piece
     report.md, report.html, report.json passes (matches, time, --verify error), pieces (op
                                         counts), compile times, counters, cache key factors
+    trace/                              torch's structured trace (TORCH_TRACE) of the compile, for tlparse
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import shutil
 
 from compilelm.graphs.inductor import bypass_caches
+from compilelm.graphs.torch_trace import TLPARSE
 
 
 class Dumper:
@@ -94,6 +96,7 @@ def report_data(cm) -> dict:
         "load_rewrites": list(cm.load_rewrites),  # the passes' prepare_model: the model changed before tracing
         "depyf_error": cm.depyf_error,
         "verify": verify_summary(cm.recorder.records, cm.config.verify_passes),
+        "tlparse": TLPARSE.format(trace=cm.dumper.path("trace"), out=cm.dumper.path("tlparse")) if cm.dumper else None,
     }
 
 
@@ -130,7 +133,8 @@ def _sections(data: dict) -> list[tuple[str, list[str], list[list]]]:
     factors = [[k, json.dumps(v, sort_keys=True, default=str)] for k, v in data["cache_key_factors"].items()]
     summary = [["mode", data["mode"]], ["cache key", data["cache"]["key"]], ["cache dir", data["cache"]["dir"]],
                ["load-time rewrites", "<br>".join(data["load_rewrites"]) or "none"],
-               ["depyf", data["depyf_error"] or "ok"]]
+               ["depyf", data["depyf_error"] or "ok"],
+               ["torch trace (TORCH_TRACE)", f"trace/: {data['tlparse']}"]]
     return [
         ("Summary", ["", ""], summary),
         ("Compile times (s)", ["stage", "seconds"], times),

@@ -2,6 +2,9 @@
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -75,6 +78,16 @@ def test_dump_contents_and_report(make_config, tmp_path):
         files = sorted(os.listdir(dump / "passes" / piece))
         assert files[:2] == ["00.NoOpEliminationPass.after.py", "00.NoOpEliminationPass.before.py"]
         assert len(files) == 2 * 4
+    # torch's structured trace of the compile, for tlparse (one log: Dynamo, AOT, Inductor)
+    logs = list((dump / "trace").glob("*.log"))
+    assert len(logs) == 1 and "tlparse" in (dump / "report.md").read_text()
+    trace = logs[0].read_text()
+    assert '"dynamo_start"' in trace and '"inductor_output_code"' in trace
+    tlparse = shutil.which("tlparse") or os.path.join(os.path.dirname(sys.executable), "tlparse")
+    if os.path.exists(tlparse):  # a test extra
+        cmd = report["tlparse"].split("&& ", 1)[1].split()[2:]  # past "tlparse DIR/trace/*.log"
+        subprocess.run([tlparse, str(logs[0]), *cmd], check=True, capture_output=True, timeout=120)
+        assert (dump / "tlparse" / "index.html").exists()
     html = (dump / "report.html").read_text()
     assert "<table>" in html and "NoOpEliminationPass" in html and "<script" not in html
     assert report["times_s"]["total"] >= report["times_s"]["inductor"] > 0
