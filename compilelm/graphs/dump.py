@@ -24,13 +24,15 @@ import os
 import shutil
 
 from compilelm.graphs.inductor import bypass_caches
-from compilelm.graphs.torch_trace import TLPARSE
+from compilelm.graphs.kernels import ARTIFACTS, PROVENANCE_PATCHES, kernel_table
+from compilelm.graphs.torch_trace import TLPARSE, capture_artifacts
 
 
 class Dumper:
     def __init__(self, root: str):
         self.root = os.path.abspath(root)
         os.makedirs(self.root, exist_ok=True)
+        self.kernels: dict[str, list[dict]] = {}  # "<piece>-<size>" -> its kernels (kernels.py)
 
     def path(self, *parts: str) -> str:
         return os.path.join(self.root, *parts)
@@ -46,7 +48,7 @@ class Dumper:
         """Inductor config patches for one piece's compile that bypass its FX-graph and AOTAutograd
         caches (so every pass really runs) and keep the generated code as inductor/<name>.py."""
         trace_dir = self.path("inductor", name + ".trace")
-        patches = {"trace.enabled": True, "trace.debug_dir": trace_dir,
+        patches = {**PROVENANCE_PATCHES, "trace.enabled": True, "trace.debug_dir": trace_dir,
                    "trace.fx_graph": False, "trace.fx_graph_transformed": False,
                    "trace.ir_pre_fusion": False, "trace.ir_post_fusion": False}
         # Inductor warns that a cache-less compile cannot be saved and where the trace went.
@@ -55,13 +57,15 @@ class Dumper:
         try:
             for q in quiet:
                 q.setLevel(logging.ERROR)
-            with bypass_caches() as no_cache:
+            with bypass_caches() as no_cache, capture_artifacts(ARTIFACTS) as provenance:
                 yield {**patches, **no_cache}
             found = sorted(glob.glob(os.path.join(trace_dir, "**", "output_code.py"), recursive=True))
             for i, src in enumerate(found):
                 shutil.copy(src, self.path("inductor", f"{name}{'' if i == 0 else f'.{i}'}.py"))
             if not found:
                 self.write(f"inductor/{name}.py", "# Inductor wrote no output code\n")
+            with open(self.path("inductor", f"{name}.py")) as f:
+                self.kernels[name] = kernel_table(f.read(), provenance)
         finally:
             for q, level in zip(quiet, levels):
                 q.setLevel(level)
@@ -96,6 +100,7 @@ def report_data(cm) -> dict:
         "load_rewrites": list(cm.load_rewrites),  # the passes' prepare_model: the model changed before tracing
         "depyf_error": cm.depyf_error,
         "verify": verify_summary(cm.recorder.records, cm.config.verify_passes),
+        "kernels": cm.dumper.kernels if cm.dumper else {},  # "<piece>-<size>" -> kernels in call order
         "tlparse": TLPARSE.format(trace=cm.dumper.path("trace"), out=cm.dumper.path("tlparse")) if cm.dumper else None,
     }
 
