@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import html
 import json
 import logging
 import os
@@ -25,6 +24,7 @@ import shutil
 
 from compilelm.graphs.inductor import bypass_caches
 from compilelm.graphs.kernels import ARTIFACTS, PROVENANCE_PATCHES, kernel_table
+from compilelm.graphs.report_html import render as render_html
 from compilelm.graphs.torch_trace import TLPARSE, capture_artifacts
 
 
@@ -121,7 +121,7 @@ def write_report(cm) -> None:
                   for p in data["pieces"]]
     dumper.write("split.md", _markdown([("Pieces", ["piece", "compiled as", "inputs", "outputs"], split_rows)]))
     dumper.write("report.md", "# compilelm compile report\n\n" + _markdown(sections))
-    dumper.write("report.html", _html(sections))
+    dumper.write("report.html", render_html(data, dumper.root))
 
 
 def _sections(data: dict) -> list[tuple[str, list[str], list[list]]]:
@@ -157,18 +157,3 @@ def _markdown(sections) -> str:
         out += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
         out.append("")
     return "\n".join(out)
-
-
-def _html(sections) -> str:
-    body = []
-    for title, headers, rows in sections:
-        body.append(f"<h2>{html.escape(title)}</h2><table><tr>"
-                    + "".join(f"<th>{html.escape(h)}</th>" for h in headers) + "</tr>")
-        body += ["<tr>" + "".join(f"<td>{html.escape(str(c)).replace('&lt;br&gt;', '<br>')}</td>" for c in row)
-                 + "</tr>" for row in rows]
-        body.append("</table>")
-    style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin-bottom:1.5em}"
-             "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:left;vertical-align:top}"
-             "th{background:#f0f0f0}td{font-family:monospace}")
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>compilelm compile report</title>"
-            f"<style>{style}</style></head><body><h1>compilelm compile report</h1>{''.join(body)}</body></html>\n")

@@ -11,6 +11,7 @@ import torch
 
 from compilelm.graphs import CompiledModel
 from compilelm.passes import CompilePass
+from tests.compile.html_page import read_report
 from tests.compile.toy_model import ToyModel, inputs
 
 
@@ -88,9 +89,36 @@ def test_dump_contents_and_report(make_config, tmp_path):
         cmd = report["tlparse"].split("&& ", 1)[1].split()[2:]  # past "tlparse DIR/trace/*.log"
         subprocess.run([tlparse, str(logs[0]), *cmd], check=True, capture_output=True, timeout=120)
         assert (dump / "tlparse" / "index.html").exists()
-    html = (dump / "report.html").read_text()
-    assert "<table>" in html and "NoOpEliminationPass" in html and "<script" not in html
     assert report["times_s"]["total"] >= report["times_s"]["inductor"] > 0
+    _check_html(dump, report)
+
+
+def _check_html(dump, report):
+    """report.html: self-contained, every link resolves, and each part shows what the dump holds."""
+    page = read_report(dump)
+    for stage, file in [("dynamo", "01_dynamo_graph.py"), ("aten", "02_aten_graph.py"),
+                        ("whole-graph", "03_after_whole_graph_passes.py"), ("split", "04_split_graph.py"),
+                        ("inductor", "inductor/"), ("stitched", "05_stitched_graph.py")]:
+        assert f"stage-{stage}" in page.text and file in page.links, stage
+    # the pipeline links each pass to its diffs: the whole-graph no-op elimination removed the slices
+    assert "#pass-whole_graph-NoOpEliminationPass" in page.links
+    noop = page.text["pass-whole_graph-NoOpEliminationPass"]
+    removed = report["passes"][0]["matches"]
+    assert page.tags["pass-whole_graph-NoOpEliminationPass"] == "details" and "aten.slice" in noop
+    assert f"{removed} matches" in noop and "before line" in noop
+    assert "no change" in page.text["pass-post_grad-CleanupPass"]
+    # a unique piece: its call sites, its op histogram, its kernels in call order with source lines
+    assert "#piece-submod_2" in page.links
+    piece = page.text["piece-submod_2"]
+    assert "3 call sites" not in piece and "submod_2, submod_4" in piece and "mm" in piece
+    first = page.text["kernel-submod_2-dyn-1"]
+    assert "extern_kernels.addmm" in first and "toy_model.py:62" in first
+    norm = next(k for k in report["kernels"]["submod_2-dyn"] if k["name"].startswith("cpp_fused"))
+    assert "toy_model.py:36" in page.text[f"kernel-submod_2-dyn-{norm['call']}"]
+    assert "extern \"C\"" in page.text[f"kernel-submod_2-dyn-{norm['call']}"]  # the kernel's code inline
+    assert "ScaleEmbeddingPass: the embedding scaled by 2 and back" in page.text["rewrites"]
+    assert "pass runs checked, largest error 0" in page.text["verify"]
+    assert "compilelm_source" in page.text["cache-key"] and "tlparse" in page.text["summary"]
 
 
 def test_verify_on_a_warm_cache_compiles_fresh(make_config):
