@@ -66,6 +66,7 @@ class CompiledModel:
         self.inductor_counters: dict[str, int] = {}
         self.depyf_error: str | None = None
         self.load_rewrites: list[str] = []  # what the passes' prepare_model hooks did to the model
+        self.profile: dict | None = None  # compile --profile: graphs/profile.py's tables
         self.forward: Callable | None = None
         self.graph_fn: Callable | None = None  # the stitched graph (its globals hold the pieces)
         self.runners: dict[str, PieceRunner] = {}  # call site ("submod_2") -> its compiled piece

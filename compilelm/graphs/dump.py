@@ -25,6 +25,7 @@ import shutil
 from compilelm.graphs.inductor import bypass_caches
 from compilelm.graphs.kernels import ARTIFACTS, PROVENANCE_PATCHES, kernel_table
 from compilelm.graphs.report_html import render as render_html
+from compilelm.graphs.report_profile import render_profile
 from compilelm.graphs.torch_trace import TLPARSE, capture_artifacts
 
 
@@ -101,6 +102,7 @@ def report_data(cm) -> dict:
         "depyf_error": cm.depyf_error,
         "verify": verify_summary(cm.recorder.records, cm.config.verify_passes),
         "kernels": cm.dumper.kernels if cm.dumper else {},  # "<piece>-<size>" -> kernels in call order
+        "profile": cm.profile,  # compile --profile (graphs/profile.py)
         "tlparse": TLPARSE.format(trace=cm.dumper.path("trace"), out=cm.dumper.path("tlparse")) if cm.dumper else None,
     }
 
@@ -121,7 +123,7 @@ def write_report(cm) -> None:
                   for p in data["pieces"]]
     dumper.write("split.md", _markdown([("Pieces", ["piece", "compiled as", "inputs", "outputs"], split_rows)]))
     dumper.write("report.md", "# compilelm compile report\n\n" + _markdown(sections))
-    dumper.write("report.html", render_html(data, dumper.root))
+    dumper.write("report.html", render_html(data, dumper.root, render_profile(data["profile"])))
 
 
 def _sections(data: dict) -> list[tuple[str, list[str], list[list]]]:
@@ -140,8 +142,13 @@ def _sections(data: dict) -> list[tuple[str, list[str], list[list]]]:
                ["load-time rewrites", "<br>".join(data["load_rewrites"]) or "none"],
                ["depyf", data["depyf_error"] or "ok"],
                ["torch trace (TORCH_TRACE)", f"trace/: {data['tlparse']}"]]
+    profile = [(f"Profile: {s['name']} {s['seqs']}x{s['context']} ({s['step_ms']:.3f} ms profiled, "
+                f"{s['measured_ms']:.3f} ms without the profiler)", ["op family", "ms", "share"],
+                [[f["family"], f"{f['ms']:.3f}", f"{100 * f['share']:.1f}%"] for f in s["families"]]
+                + [["sum", f"{s['sum_ms']:.3f}", ""]]) for s in (data["profile"] or {}).get("steps", [])]
     return [
         ("Summary", ["", ""], summary),
+        *profile,
         ("Compile times (s)", ["stage", "seconds"], times),
         ("Passes", ["stage", "pass", "graphs", "matches", "ms", "max error (--verify)", "verify note"], passes),
         ("Pieces", ["piece", "compiled as", "key", "inputs", "outputs", "ops", "top ops"], pieces),
