@@ -18,6 +18,7 @@ ARTIFACTS = ("inductor_provenance_tracking_node_mappings", "inductor_provenance_
 
 _DEF = re.compile(r"^(\w+) = async_compile\.\w+\(")
 _CALL = re.compile(r"^\s+(?:\w+ = )?(extern_kernels\.\w+|torch\.ops\.\w+\.\w+(?:\.\w+)?|\w+)(?:\.run)?\(")
+_HANDLE = re.compile(r"#\s*\[Provenance debug handles\]\s*(\S+:\d+)\s*$")  # the next call's provenance key
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)\n\s*(.*)')
 
 
@@ -27,15 +28,18 @@ def kernel_table(code: str, artifacts: dict[str, list[str]] | None = None) -> li
     lines = code.splitlines()
     defined = {m[1]: i + 1 for i, line in enumerate(lines) if (m := _DEF.match(line))}
     start = next((i for i, line in enumerate(lines) if line.strip().startswith("def call(")), len(lines))
-    calls = []
+    calls, handle = [], None
     for i in range(start + 1, len(lines)):
         line = lines[i]
         if line and not line.startswith(" "):
             break  # end of call()
+        if h := _HANDLE.search(line):
+            handle = h[1]
         m = _CALL.match(line)
         if m and (m[1] in defined or m[1].startswith(("extern_kernels.", "torch.ops."))):
             calls.append({"name": m[1], "call": len(calls) + 1, "line": i + 1, "def_line": defined.get(m[1]),
-                          "nodes": [], "source": []})
+                          "nodes": [], "source": [], "key": handle})
+            handle = None
     _attach_provenance(calls, artifacts or {})
     return calls
 
@@ -49,8 +53,10 @@ def kernel_code(code: str, entry: dict) -> str:
         while i > 0 and lines[i - 1].startswith("#"):  # Inductor's comments above it (source nodes)
             i -= 1
         return "\n".join(lines[i:j + 1])
-    i = entry["line"] - 1
-    return "\n".join(lines[max(i - 1, 0):i + 1] if i > 0 and lines[i - 1].strip().startswith("#") else lines[i:i + 1])
+    i = j = entry["line"] - 1
+    while i > 0 and lines[i - 1].strip().startswith("#"):  # its comments: source nodes, provenance
+        i -= 1
+    return "\n".join(lines[i:j + 1])
 
 
 def _attach_provenance(calls: list[dict], artifacts: dict[str, list[str]]) -> None:
@@ -60,13 +66,14 @@ def _attach_provenance(calls: list[dict], artifacts: dict[str, list[str]]) -> No
     for key in sorted(set(nodes) | set(traces), key=lambda k: int(k.rsplit(":", 1)[1])):
         by_name.setdefault(_provenance_name(key.rsplit(":", 1)[0]), []).append(key)
     seen: dict[str, int] = {}
-    for c in calls:
+    for c in calls:  # by the handle Inductor wrote above the call, else the n-th call of that name
         name = _provenance_name(c["name"])
         i = seen[name] = seen.get(name, -1) + 1
         keys = by_name.get(name, [])
-        if i < len(keys):
-            c["nodes"] = list(nodes.get(keys[i], []))
-            c["source"] = list(dict.fromkeys(s for t in traces.get(keys[i], []) if (s := innermost_frame(t))))
+        key = c.pop("key") or (keys[i] if i < len(keys) else None)
+        if key is not None:
+            c["nodes"] = list(nodes.get(key, []))
+            c["source"] = list(dict.fromkeys(s for t in traces.get(key, []) if (s := innermost_frame(t))))
 
 
 def _provenance_name(name: str) -> str:

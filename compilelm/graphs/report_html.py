@@ -126,7 +126,8 @@ def _pieces(data: dict, root: str) -> str:
         bars = "".join(f"<tr><td>{e(op)}</td><td>{n}</td><td><div class='bar' style='width:{100 * n / top:.0f}%'>"
                        "</div></td></tr>" for op, n in p["ops"].items())
         out.append(f"<div class='piece' id='piece-{name}'><h3>{e(name)} <span class='sub'>key {e(p['key'][:10])} · "
-                   f"{len(sites)} call sites</span></h3><p><b>call sites:</b> {e(', '.join(sites))}</p>"
+                   f"{len(sites)} call site{'s' if len(sites) > 1 else ''}</span></h3>"
+                   f"<p><b>call sites:</b> {e(', '.join(sites))}</p>"
                    f"<p><b>inputs:</b> {e(', '.join(p['inputs']))}<br><b>outputs:</b> {e(', '.join(p['outputs']))}</p>"
                    f"<table class='hist'><tr><th>op</th><th>count</th><th></th></tr>{bars}</table>"
                    f"{_kernels(data, root, name)}</div>")

@@ -3,7 +3,7 @@ Inductor's output code and its provenance artifacts."""
 
 import json
 
-from compilelm.graphs.kernels import kernel_code, kernel_table
+from compilelm.graphs.kernels import ARTIFACTS, kernel_code, kernel_table
 from compilelm.graphs.report_diff import diff_stats, folded_diff
 
 LAYER = """    # File: model.py:{i} in forward
@@ -42,11 +42,13 @@ class Runner:
         # Topologically Sorted Source Nodes: [mm], Original ATen: [aten.mm]
         extern_kernels.mm(buf0, arg1_1, out=buf1)
         buf2 = torch.ops.compilelm.rope_cache.default(buf1, 64)
+        # [Provenance debug handles] cpp_fused_norm_0:4
         cpp_fused_norm_0(buf2, buf3)
         return (buf3, )
 
 runner = Runner(partitions=[])
 '''
+ARTIFACT = ARTIFACTS[0]  # the node mappings
 TRACE = '  File "/src/compilelm/models/llama.py", line {l}, in forward\n    {code}\n'
 
 
@@ -55,7 +57,7 @@ def test_kernel_table_follows_call_order_and_provenance():
              "torch.ops.compilelm.rope_cache.default:3": ["rope_cache"], "cpp_fused_norm_0:4": ["pow_2"]}
     traces = {"cpp_fused_norm_0:1": [TRACE.format(l=10, code="h = self.norm(x)")],
               "cpp_fused_norm_0:4": [TRACE.format(l=20, code="h = self.post_norm(x)")]}
-    artifacts = {"inductor_provenance_tracking_node_mappings": [json.dumps({"cppCodeToPost": nodes})],
+    artifacts = {ARTIFACT: [json.dumps({"cppCodeToPost": nodes})],
                  "inductor_provenance_tracking_kernel_stack_traces": [json.dumps(traces)]}
     table = kernel_table(CODE, artifacts)
     assert [k["name"] for k in table] == ["cpp_fused_norm_0", "extern_kernels.mm",
@@ -66,3 +68,7 @@ def test_kernel_table_follows_call_order_and_provenance():
     assert table[0]["def_line"] == 2 and 'extern "C"' in kernel_code(CODE, table[0])
     assert kernel_code(CODE, table[1]).startswith("        # Topologically Sorted Source Nodes: [mm]")
     assert kernel_table(CODE)[2]["nodes"] == []  # no provenance: the calls alone
+    # the handle Inductor writes above a call wins over counting calls by name
+    moved = {**nodes, "cpp_fused_norm_0:4": ["pow_9"], "cpp_fused_norm_0:5": ["pow_2"]}
+    artifacts[ARTIFACT] = [json.dumps({"cppCodeToPost": moved})]
+    assert kernel_table(CODE, artifacts)[3]["nodes"] == ["pow_9"]
