@@ -54,10 +54,12 @@ def profile_model(cm, specs: list[StepSpec], block_size: int, out_dir: str, warm
                   repeat: int = 5) -> dict:
     """`cm`: a CompiledModel of a compilelm model (attention_layer_names, compute_logits)."""
     os.makedirs(out_dir, exist_ok=True)
-    tables = {name.rsplit("-", 1)[0]: k for name, k in (cm.dumper.kernels if cm.dumper else {}).items()
-              if name.endswith("-dyn")}
+    kernels = cm.dumper.kernels if cm.dumper else {}
     steps = []
     for spec in specs:
+        tokens = spec.seqs * spec.new_tokens  # a static compile size of that many tokens runs its own code
+        tables = {name.rsplit("-", 1)[0]: kernels.get(name.replace("-dyn", f"-{tokens}"), k)
+                  for name, k in kernels.items() if name.endswith("-dyn")}
         run = _make_step(cm, spec, block_size)
         for _ in range(warmup):
             run()

@@ -4,7 +4,8 @@ chains of elementwise kernels worth a pass.
 
 A *call* is one thing a piece's generated code (or the stitched graph, between pieces) runs: an
 op event not inside another op (Inductor's wrapper ranges, `## Call CompiledFxGraph ##`, and
-compilelm's own annotations don't count as ops), or a bare kernel launch (a Triton kernel).
+compilelm's own annotations don't count as ops), or a bare kernel launch. Inductor wraps each
+Triton launch in a range named after the kernel, so a Triton kernel is a call of its own name.
 On CUDA a call's time is the GPU time of the kernels it launched (found through the launches'
 correlation ids) and the launch gaps are the step's wall time the GPU was idle; on CPU a call's
 time is its own wall time and the gaps are host time outside every call. Either way the
@@ -72,6 +73,8 @@ def _calls(host: list[dict], launched: dict) -> list[dict]:
                 "piece_start": piece[2] if piece else None}
         calls.append(call)
         open_calls.append(call)
+    if launched:  # on a GPU a call is its kernels: one that launched none took no GPU time
+        calls = [c for c in calls if c["kernels"]]
     for c in calls:
         c["us"] = sum(k["dur"] for k in c["kernels"]) if launched else c["end"] - c["ts"]
     return calls
