@@ -32,10 +32,12 @@ _DEVICE = ("kernel", "gpu_memcpy", "gpu_memset")
 def attribute(trace: dict, kernel_tables: dict[str, list[dict]]) -> dict:
     """`kernel_tables`: compiled piece name -> its kernels (kernels.kernel_table)."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    step = max((e for e in events if e["name"] == STEP), key=lambda e: e["dur"])
+    # the host's range (on a GPU the profiler also draws a "gpu_user_annotation" of the same name)
+    step = max((e for e in events if e["name"] == STEP and e.get("cat") == "user_annotation"), key=lambda e: e["dur"])
     t0, t1 = step["ts"], step["ts"] + step["dur"]
-    host = sorted((e for e in events if e.get("cat") in _HOST and e.get("tid") == step["tid"]
-                   and t0 <= e["ts"] < t1 and e is not step), key=lambda e: (e["ts"], -e["dur"]))
+    host = sorted((e for e in events if e.get("cat") in _HOST and t0 <= e["ts"] < t1 and e is not step
+                   and (e.get("tid") == step["tid"] or e["cat"] in ("cuda_runtime", "cuda_driver"))),
+                  key=lambda e: (e["ts"], -e["dur"]))
     device = [e for e in events if e.get("cat") in _DEVICE]
     launched: dict = {}
     for d in device:

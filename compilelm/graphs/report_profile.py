@@ -23,9 +23,11 @@ def render_profile(profile: dict | None) -> str:
 def _step(s: dict) -> str:
     sid = f"profile-{s['name']}"
     off = 100 * (s["sum_ms"] / s["step_ms"] - 1) if s["step_ms"] else 0.0
+    vs = 100 * (s["step_ms"] / s["measured_ms"] - 1) if s["measured_ms"] else 0.0
     head = (f"<h3 id='{sid}'>{e(s['name'])}: {s['seqs']} × {s['new_tokens']} new tokens at context {s['context']}"
             f"</h3><p>profiled step <b>{s['step_ms']:.3f} ms</b>; the families below add up to {s['sum_ms']:.3f} ms "
-            f"({off:+.1f}%); the step without the profiler: {s['measured_ms']:.3f} ms (median of {s['repeat']}) · "
+            f"({off:+.1f}%); the step without the profiler: {s['measured_ms']:.3f} ms (median of {s['repeat']}; "
+            f"the profiled one {vs:+.1f}%) · "
             f"<a href='{e(s['trace'], quote=True)}'>{e(s['trace'])}</a></p>")
     top = max((f["ms"] for f in s["families"]), default=1.0) or 1.0
     rows = "".join(f"<tr><td>{e(f['family'])}</td><td>{f['ms']:.3f}</td><td>{100 * f['share']:.1f}%</td>"
@@ -60,13 +62,19 @@ def _chains(s: dict, sid: str) -> str:
 
 def _kernels(s: dict, sid: str) -> str:
     rows = "".join(
-        f"<tr><td>{_kernel_link(k['compiled_as'], k['call'])}</td><td><code>{e(k['name'])}</code></td>"
+        f"<tr><td>{_kernel_link(k['compiled_as'], k['call'])}</td><td><code>{e(k['name'])}</code>{_launched(k)}</td>"
         f"<td>{e(k['family'])}</td><td>{k['us'] / 1000:.3f}</td><td>{k['count']}</td>"
         f"<td>{e(', '.join(k['nodes'][:5]))}</td><td>{'<br>'.join(e(x) for x in k['source'][:1])}</td></tr>"
         for k in s["kernels"])
     return (f"<h4 id='{sid}-kernels'>Time per kernel call, summed over the call sites</h4><table><tr><th>piece #call"
             "</th><th>kernel / op</th><th>family</th><th>ms</th><th>sites</th><th>FX nodes</th><th>source</th></tr>"
             f"{rows}</table>")
+
+
+def _launched(k: dict) -> str:
+    """The GPU kernels an op launched (cuBLAS, its own Triton kernels), when they are not the call itself."""
+    names = [n for n in k["kernels"] if n != k["name"]]
+    return f"<br><span class='sub'>{e(', '.join(names[:3]))}</span>" if names else ""
 
 
 def _sources(s: dict, sid: str) -> str:

@@ -15,7 +15,8 @@ def _x(name, cat, ts, dur, tid=1, corr=None):
 
 
 def _launch(ts, corr, kernel, start, dur, api="cuLaunchKernelEx", cat="cuda_driver", kcat="kernel"):
-    return [_x(api, cat, ts, 3, corr=corr), _x(kernel, kcat, start, dur, tid=7, corr=corr)]
+    # a launch on the host (its thread id may differ from the ops'), the kernel on the GPU
+    return [_x(api, cat, ts, 3, tid=2, corr=corr), _x(kernel, kcat, start, dur, tid=7, corr=corr)]
 
 
 GEMM = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64"
@@ -44,6 +45,7 @@ def _cuda_trace():
     ev += _launch(510, 5, "paged_attention_kernel", 520, 100, "cudaLaunchKernel", "cuda_runtime")
     ev += _launch(610, 6, "Memcpy DtoD (Device -> Device)", 630, 10, "cudaMemcpyAsync", "cuda_runtime", "gpu_memcpy")
     ev += [_x("cudaDeviceSynchronize", "cuda_runtime", 900, 95)]
+    ev += [_x("compilelm.step", "gpu_user_annotation", 90, 1200, tid=7)]  # the GPU's copy: not the step
     ev += _launch(2000, 9, "triton_poi_fused_add_2", 2100, 5)  # after the step: not counted
     return {"traceEvents": ev}
 
