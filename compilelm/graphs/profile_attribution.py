@@ -143,6 +143,11 @@ def summarize(result: dict, top: int = 40) -> dict:
                                      "source": c["source"][:2], "kernels": sorted({x["name"] for x in c["kernels"]})})
         k["us"] += c["us"]
         k["count"] += 1
+    pieces: dict[str, list] = {}  # compiled piece -> [us, call sites]
+    for c in calls:
+        p = pieces.setdefault(c["compiled_as"], [0.0, set()])
+        p[0] += c["us"]
+        p[1].add(c["site"] or c["ts"])  # between pieces: each op call is a site of its own
     sources: dict[str, float] = {}
     for c in calls:
         where = c["source"][0] if c["source"] else f"({c['name']})"
@@ -152,6 +157,8 @@ def summarize(result: dict, top: int = 40) -> dict:
         "device": result["device"], "step_ms": step / 1000, "sum_ms": total / 1000,
         "families": [{"family": f, "ms": us / 1000, "share": us / step if step else 0.0}
                      for f, us in sorted(families.items(), key=lambda kv: -kv[1])],
+        "pieces": [{"piece": p, "ms": us / 1000, "sites": len(sites)}
+                   for p, (us, sites) in sorted(pieces.items(), key=lambda kv: -kv[1][0])],
         "kernels": sorted(kernels.values(), key=lambda k: -k["us"])[:top],
         "sources": [{"source": s, "ms": us / 1000} for s, us in sorted(sources.items(), key=lambda kv: -kv[1])][:top],
         "chains": unfused_chains(kernels),

@@ -36,7 +36,18 @@ def _step(s: dict) -> str:
     families = (f"<table class='hist' id='{sid}-families'><tr><th>op family</th><th>ms</th><th>share</th><th></th>"
                 f"</tr>{rows}<tr><th>sum</th><th>{s['sum_ms']:.3f}</th><th></th><th></th></tr></table>"
                 f"<p class='sub'>{e(GAP_NOTE.get(s['device'], ''))}</p>")
-    return head + families + _chains(s, sid) + _kernels(s, sid) + _sources(s, sid)
+    return head + families + _chains(s, sid) + _pieces(s, sid) + _kernels(s, sid) + _sources(s, sid)
+
+
+def _pieces(s: dict, sid: str) -> str:
+    rows = "".join(f"<tr><td>{_piece_link(p['piece'])}</td><td>{p['sites']}</td><td>{p['ms']:.3f}</td></tr>"
+                   for p in s["pieces"])
+    return (f"<h4 id='{sid}-pieces'>Time per piece, over its call sites</h4><table><tr><th>piece</th><th>sites</th>"
+            f"<th>ms</th></tr>{rows}</table>")
+
+
+def _piece_link(piece: str) -> str:
+    return f"<a href='#piece-{e(piece)}'>{e(piece)}</a>" if piece.startswith("submod_") else e(piece)
 
 
 def _kernel_link(piece: str, call) -> str:

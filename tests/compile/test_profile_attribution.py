@@ -59,6 +59,8 @@ def test_cuda_trace_attributed_to_pieces_nodes_and_families():
     assert fam == pytest.approx({"norm": 50, "GEMM": 200, "elementwise": 60, "attention": 110,
                                  "launch gaps": result["gaps_us"]})
     assert s["sum_ms"] == pytest.approx(s["step_ms"])  # nothing missed, nothing counted twice
+    assert s["pieces"] == [{"piece": "submod_2", "ms": 0.31, "sites": 1},
+                           {"piece": "(between pieces)", "ms": 0.11, "sites": 1}]
     by_call = {(k["compiled_as"], k["call"]): k for k in s["kernels"]}
     assert all(k["name"] != "aten::empty" for k in s["kernels"])
     mm = by_call[("submod_2", 2)]
