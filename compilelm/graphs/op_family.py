@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 FAMILIES = ("GEMM", "attention", "norm", "rope", "quant", "elementwise", "copies", "collectives", "other",
-            "launch gaps")
+            "launch gaps", "unattributed")
 FUSIBLE = ("elementwise", "norm", "rope", "quant", "copies")  # what an unfused chain is made of
 
 _RULES = [

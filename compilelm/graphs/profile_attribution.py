@@ -43,13 +43,18 @@ def attribute(trace: dict, kernel_tables: dict[str, list[dict]]) -> dict:
     for d in device:
         launched.setdefault((d.get("args") or {}).get("correlation"), []).append(d)
     calls = _calls(host, launched)
-    if device:
-        busy = [(max(k["ts"], t0), min(k["ts"] + k["dur"], t1)) for c in calls for k in c["kernels"]]
+    unattributed = 0.0
+    if device:  # every kernel that ran in the step counts; one no call launched is said so
+        ran = [k for k in device if k["ts"] < t1 and k["ts"] + k["dur"] > t0]
+        busy = [(max(k["ts"], t0), min(k["ts"] + k["dur"], t1)) for k in ran]
+        mine = {id(k) for c in calls for k in c["kernels"]}
+        unattributed = sum(b - a for k, (a, b) in zip(ran, busy) if id(k) not in mine)
     else:
         busy = [(c["ts"], c["end"]) for c in calls]
     gaps = (t1 - t0) - _union(busy)
     _match(calls, kernel_tables)
-    return {"device": "cuda" if device else "cpu", "step_us": t1 - t0, "gaps_us": gaps, "calls": calls}
+    return {"device": "cuda" if device else "cpu", "step_us": t1 - t0, "gaps_us": gaps, "calls": calls,
+            "unattributed_us": unattributed}
 
 
 def _calls(host: list[dict], launched: dict) -> list[dict]:
@@ -135,6 +140,8 @@ def summarize(result: dict, top: int = 40) -> dict:
     for c in calls:
         families[c["family"]] = families.get(c["family"], 0.0) + c["us"]
     families["launch gaps"] = result["gaps_us"]
+    if result.get("unattributed_us"):
+        families["unattributed"] = result["unattributed_us"]  # kernels whose launch the trace does not show
     kernels: dict = {}
     for c in calls:
         key = (c["compiled_as"], c["call"] if c["call"] is not None else c["name"])
