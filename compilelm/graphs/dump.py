@@ -10,25 +10,30 @@
     inductor/<piece>-<size>.py          Inductor's generated code per compiled piece
     report.md, report.html, report.json passes (matches, time, --verify error), pieces (op
                                         counts), compile times, counters, cache key factors
+    trace/                              torch's structured trace (TORCH_TRACE) of the compile, for tlparse
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
-import html
 import json
 import logging
 import os
 import shutil
 
-import torch
+from compilelm.graphs.inductor import bypass_caches
+from compilelm.graphs.kernels import ARTIFACTS, PROVENANCE_PATCHES, kernel_table
+from compilelm.graphs.report_html import render as render_html
+from compilelm.graphs.report_profile import render_profile
+from compilelm.graphs.torch_trace import TLPARSE, capture_artifacts
 
 
 class Dumper:
     def __init__(self, root: str):
         self.root = os.path.abspath(root)
         os.makedirs(self.root, exist_ok=True)
+        self.kernels: dict[str, list[dict]] = {}  # "<piece>-<size>" -> its kernels (kernels.py)
 
     def path(self, *parts: str) -> str:
         return os.path.join(self.root, *parts)
@@ -44,7 +49,7 @@ class Dumper:
         """Inductor config patches for one piece's compile that bypass its FX-graph and AOTAutograd
         caches (so every pass really runs) and keep the generated code as inductor/<name>.py."""
         trace_dir = self.path("inductor", name + ".trace")
-        patches = {"fx_graph_cache": False, "trace.enabled": True, "trace.debug_dir": trace_dir,
+        patches = {**PROVENANCE_PATCHES, "trace.enabled": True, "trace.debug_dir": trace_dir,
                    "trace.fx_graph": False, "trace.fx_graph_transformed": False,
                    "trace.ir_pre_fusion": False, "trace.ir_post_fusion": False}
         # Inductor warns that a cache-less compile cannot be saved and where the trace went.
@@ -53,13 +58,15 @@ class Dumper:
         try:
             for q in quiet:
                 q.setLevel(logging.ERROR)
-            with torch._functorch.config.patch(enable_autograd_cache=False):
-                yield patches
+            with bypass_caches() as no_cache, capture_artifacts(ARTIFACTS) as provenance:
+                yield {**patches, **no_cache}
             found = sorted(glob.glob(os.path.join(trace_dir, "**", "output_code.py"), recursive=True))
             for i, src in enumerate(found):
                 shutil.copy(src, self.path("inductor", f"{name}{'' if i == 0 else f'.{i}'}.py"))
             if not found:
                 self.write(f"inductor/{name}.py", "# Inductor wrote no output code\n")
+            with open(self.path("inductor", f"{name}.py")) as f:
+                self.kernels[name] = kernel_table(f.read(), provenance)
         finally:
             for q, level in zip(quiet, levels):
                 q.setLevel(level)
@@ -93,7 +100,18 @@ def report_data(cm) -> dict:
         "cache_key_factors": cm.factors,
         "load_rewrites": list(cm.load_rewrites),  # the passes' prepare_model: the model changed before tracing
         "depyf_error": cm.depyf_error,
+        "verify": verify_summary(cm.recorder.records, cm.config.verify_passes),
+        "kernels": cm.dumper.kernels if cm.dumper else {},  # "<piece>-<size>" -> kernels in call order
+        "profile": cm.profile,  # compile --profile (graphs/profile.py)
+        "tlparse": TLPARSE.format(trace=cm.dumper.path("trace"), out=cm.dumper.path("tlparse")) if cm.dumper else None,
     }
+
+
+def verify_summary(records, requested: bool) -> dict:
+    """What --verify checked: pass runs measured, the largest error, the runs it could not run."""
+    errors = [r.max_error for r in records if r.max_error is not None]
+    return {"requested": requested, "checked": len(errors), "max_error": max(errors, default=None),
+            "failed": [f"{r.graph}: {r.name}: {r.verify_error}" for r in records if r.verify_error]}
 
 
 def write_report(cm) -> None:
@@ -105,7 +123,7 @@ def write_report(cm) -> None:
                   for p in data["pieces"]]
     dumper.write("split.md", _markdown([("Pieces", ["piece", "compiled as", "inputs", "outputs"], split_rows)]))
     dumper.write("report.md", "# compilelm compile report\n\n" + _markdown(sections))
-    dumper.write("report.html", _html(sections))
+    dumper.write("report.html", render_html(data, dumper.root, render_profile(data["profile"])))
 
 
 def _sections(data: dict) -> list[tuple[str, list[str], list[list]]]:
@@ -122,9 +140,15 @@ def _sections(data: dict) -> list[tuple[str, list[str], list[list]]]:
     factors = [[k, json.dumps(v, sort_keys=True, default=str)] for k, v in data["cache_key_factors"].items()]
     summary = [["mode", data["mode"]], ["cache key", data["cache"]["key"]], ["cache dir", data["cache"]["dir"]],
                ["load-time rewrites", "<br>".join(data["load_rewrites"]) or "none"],
-               ["depyf", data["depyf_error"] or "ok"]]
+               ["depyf", data["depyf_error"] or "ok"],
+               ["torch trace (TORCH_TRACE)", f"trace/: {data['tlparse']}"]]
+    profile = [(f"Profile: {s['name']} {s['seqs']}x{s['context']} ({s['step_ms']:.3f} ms profiled, "
+                f"{s['measured_ms']:.3f} ms without the profiler)", ["op family", "ms", "share"],
+                [[f["family"], f"{f['ms']:.3f}", f"{100 * f['share']:.1f}%"] for f in s["families"]]
+                + [["sum", f"{s['sum_ms']:.3f}", ""]]) for s in (data["profile"] or {}).get("steps", [])]
     return [
         ("Summary", ["", ""], summary),
+        *profile,
         ("Compile times (s)", ["stage", "seconds"], times),
         ("Passes", ["stage", "pass", "graphs", "matches", "ms", "max error (--verify)", "verify note"], passes),
         ("Pieces", ["piece", "compiled as", "key", "inputs", "outputs", "ops", "top ops"], pieces),
@@ -140,18 +164,3 @@ def _markdown(sections) -> str:
         out += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
         out.append("")
     return "\n".join(out)
-
-
-def _html(sections) -> str:
-    body = []
-    for title, headers, rows in sections:
-        body.append(f"<h2>{html.escape(title)}</h2><table><tr>"
-                    + "".join(f"<th>{html.escape(h)}</th>" for h in headers) + "</tr>")
-        body += ["<tr>" + "".join(f"<td>{html.escape(str(c)).replace('&lt;br&gt;', '<br>')}</td>" for c in row)
-                 + "</tr>" for row in rows]
-        body.append("</table>")
-    style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin-bottom:1.5em}"
-             "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:left;vertical-align:top}"
-             "th{background:#f0f0f0}td{font-family:monospace}")
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>compilelm compile report</title>"
-            f"<style>{style}</style></head><body><h1>compilelm compile report</h1>{''.join(body)}</body></html>\n")

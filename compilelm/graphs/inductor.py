@@ -12,6 +12,7 @@ Inductor as its `post_grad_custom_post_pass`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Callable
@@ -60,6 +61,14 @@ def inductor_patches(post_grad_pass, options: dict | None = None) -> dict:
     if unknown:
         raise ValueError(f"inductor_options: unknown Inductor config setting(s): {', '.join(unknown)}")
     return {**patches, **(options or {}), "post_grad_custom_post_pass": post_grad_pass}
+
+
+@contextlib.contextmanager
+def bypass_caches():
+    """Inductor's FX-graph and AOTAutograd caches off for the compiles inside (`--dump`,
+    `--verify`): a cache hit would skip the post-grad passes. Yields Inductor config patches."""
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        yield {"fx_graph_cache": False}
 
 
 def compile_piece(piece: Piece, post_grad_pass, size: int | None = None, max_autotune: bool = False,

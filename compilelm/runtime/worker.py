@@ -77,13 +77,19 @@ class Worker:
     def run_step(self, step: StepInputs) -> None:
         self.model_runner.run_step(step)  # the logits live on the driver: nothing to return
 
-    def compile_model(self) -> dict:
-        """`compilelm compile`: compile this rank's model without serving; the dump report's data."""
+    def compile_model(self, profile: list | None = None) -> dict:
+        """`compilelm compile`: compile this rank's model without serving; the dump report's data.
+        `profile` (StepSpecs, with --dump): then run those steps under the profiler (graphs/profile.py)."""
         from compilelm.graphs import CompiledModel
-        from compilelm.graphs.dump import report_data
+        from compilelm.graphs.dump import report_data, write_report
         compiled = CompiledModel(self.model, self.config.compilation,
                                  self.config.cache_key_factors(self.model_config))
         compiled.compile()
+        if profile:
+            from compilelm.graphs.profile import profile_model
+            compiled.profile = profile_model(compiled, profile, self.config.cache.block_size,
+                                             compiled.dumper.path("profile"))
+            write_report(compiled)
         return report_data(compiled)
 
 

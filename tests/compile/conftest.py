@@ -23,3 +23,19 @@ def make_config(tmp_path, inductor_dir):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def default_model_dump(tmp_path_factory, inductor_dir):
+    """`compilelm compile --dump DIR --verify --profile` of the default model (the CI path), once
+    a session: the report tests and the browser test read it."""
+    import json
+
+    from compilelm.entrypoints.cli import main as cli_main
+
+    root = tmp_path_factory.mktemp("default_model")
+    cc = json.dumps({"cache_dir": str(root / "cache"), "inductor_cache_dir": inductor_dir})
+    args = ["compile", "--dump", str(root / "dump"), "--verify", "--profile", "--profile-decode", "4x64",
+            "--profile-prefill", "1x64", "-cc", cc]
+    assert cli_main(args) == 0
+    return root / "dump"

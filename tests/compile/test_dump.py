@@ -2,12 +2,16 @@
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from compilelm.graphs import CompiledModel
 from compilelm.passes import CompilePass
+from tests.compile.html_page import read_report
 from tests.compile.toy_model import ToyModel, inputs
 
 
@@ -75,6 +79,65 @@ def test_dump_contents_and_report(make_config, tmp_path):
         files = sorted(os.listdir(dump / "passes" / piece))
         assert files[:2] == ["00.NoOpEliminationPass.after.py", "00.NoOpEliminationPass.before.py"]
         assert len(files) == 2 * 4
-    html = (dump / "report.html").read_text()
-    assert "<table>" in html and "NoOpEliminationPass" in html and "<script" not in html
+    # torch's structured trace of the compile, for tlparse (one log: Dynamo, AOT, Inductor)
+    logs = list((dump / "trace").glob("*.log"))
+    assert len(logs) == 1 and "tlparse" in (dump / "report.md").read_text()
+    trace = logs[0].read_text()
+    assert '"dynamo_start"' in trace and '"inductor_output_code"' in trace
+    tlparse = shutil.which("tlparse") or os.path.join(os.path.dirname(sys.executable), "tlparse")
+    if os.path.exists(tlparse):  # a test extra
+        cmd = report["tlparse"].split("&& ", 1)[1].split()[2:]  # past "tlparse DIR/trace/*.log"
+        subprocess.run([tlparse, str(logs[0]), *cmd], check=True, capture_output=True, timeout=120)
+        assert (dump / "tlparse" / "index.html").exists()
     assert report["times_s"]["total"] >= report["times_s"]["inductor"] > 0
+    _check_html(dump, report)
+
+
+def _check_html(dump, report):
+    """report.html: self-contained, every link resolves, and each part shows what the dump holds."""
+    page = read_report(dump)
+    for stage, file in [("dynamo", "01_dynamo_graph.py"), ("aten", "02_aten_graph.py"),
+                        ("whole-graph", "03_after_whole_graph_passes.py"), ("split", "04_split_graph.py"),
+                        ("inductor", "inductor/"), ("stitched", "05_stitched_graph.py")]:
+        assert f"stage-{stage}" in page.text and file in page.links, stage
+    # the pipeline links each pass to its diffs: the whole-graph no-op elimination removed the slices
+    assert "#pass-whole_graph-NoOpEliminationPass" in page.links
+    noop = page.text["pass-whole_graph-NoOpEliminationPass"]
+    removed = report["passes"][0]["matches"]
+    assert page.tags["pass-whole_graph-NoOpEliminationPass"] == "details" and "aten.slice" in noop
+    assert f"{removed} matches" in noop and "before line" in noop
+    assert "no change" in page.text["pass-post_grad-CleanupPass"]
+    # a unique piece: its call sites, its op histogram, its kernels in call order with source lines
+    assert "#piece-submod_2" in page.links
+    piece = page.text["piece-submod_2"]
+    assert "3 call sites" not in piece and "submod_2, submod_4" in piece and "mm" in piece
+    first = page.text["kernel-submod_2-dyn-1"]
+    assert "extern_kernels.addmm" in first and "toy_model.py:62" in first
+    norm = next(k for k in report["kernels"]["submod_2-dyn"] if k["name"].startswith("cpp_fused"))
+    assert "toy_model.py:36" in page.text[f"kernel-submod_2-dyn-{norm['call']}"]
+    assert "extern \"C\"" in page.text[f"kernel-submod_2-dyn-{norm['call']}"]  # the kernel's code inline
+    assert "ScaleEmbeddingPass: the embedding scaled by 2 and back" in page.text["rewrites"]
+    assert "pass runs checked, largest error 0" in page.text["verify"]
+    assert "compilelm_source" in page.text["cache-key"] and "tlparse" in page.text["summary"]
+
+
+def test_verify_on_a_warm_cache_compiles_fresh(make_config):
+    """`--verify` after a compile that filled the cache: a warm start would run no pass and check
+    nothing, so it compiles fresh (and saves nothing) and every pass run is measured."""
+    from compilelm.entrypoints.cli_compile import _verify_line
+    from compilelm.graphs.dump import report_data
+
+    model = ToyModel(num_layers=2)
+    CompiledModel(model, make_config(), {"toy": "warm"}).compile()
+    warm = CompiledModel(model, make_config(), {"toy": "warm"})
+    warm.compile()
+    assert warm.mode == "warm" and not warm.recorder.records  # what --verify used to "check"
+
+    cm = CompiledModel(model, make_config(verify_passes=True), {"toy": "warm"})
+    cm.compile()
+    assert cm.mode == "cold" and cm.cache.key == warm.cache.key
+    assert cm.counters["inductor_compiles"] == 3 and cm.counters["artifacts_loaded"] == 0
+    verify = report_data(cm)["verify"]
+    assert verify["checked"] == len(cm.recorder.records) > 0 and verify["max_error"] == 0.0
+    assert _verify_line(verify).startswith(f"--verify: {verify['checked']} pass runs checked")
+    assert "NOTHING was checked" in _verify_line({"checked": 0, "max_error": None, "failed": []})
