@@ -64,7 +64,12 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat1
 class EngineConfig:
     """Everything an engine is built from. `model=None` is the default model."""
 
-    model: str | None = None
+    model: str | None = None  # folder, .gguf file, Hugging Face repo id, dummy:<preset>; None = default
+    revision: str | None = None  # a repo id's branch, tag or commit (None: main)
+    download_dir: str | None = None  # the Hugging Face cache to read / download into (None: HF_HOME's)
+    tokenizer: str | None = None  # None = the model's; else a folder, .gguf file or repo id
+    tokenizer_revision: str | None = None  # None = `revision`
+    chat_template: str | None = None  # a file or the template itself, replacing the tokenizer's
     dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU
     device: str = "auto"
     seed: int = 0

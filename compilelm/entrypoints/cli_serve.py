@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
 
     _check_server_args(args)
     config = engine_config_from_args(args)
-    source = resolve_model(config.model)  # a missing model fails now, before the port is bound
+    # a missing model fails now, before the port is bound (and a repo id is downloaded once, here)
+    source = resolve_model(config.model, config.revision, config.download_dir)
     names = args.served_model_name or [source.name]
     async_engine = AsyncLLMEngine(lambda: LLMEngine(config), max_queue_len=args.max_queue_len)
     state = ServerState(async_engine, names)

@@ -12,6 +12,14 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
         parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                             help="HF directory, .gguf file, or dummy:<preset> (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--model", default=None, help="same as the positional MODEL")
+    m = parser.add_argument_group("model")
+    m.add_argument("--revision", default=None, help="a Hugging Face repo id's branch, tag or commit (default: main)")
+    m.add_argument("--download-dir", default=None,
+                   help="the Hugging Face cache to read and download into (default: $HF_HOME/hub)")
+    m.add_argument("--tokenizer", default=None, help="tokenizer folder, .gguf file or repo id (default: the model's)")
+    m.add_argument("--tokenizer-revision", default=None, help="the --tokenizer repo's revision (default: --revision)")
+    m.add_argument("--chat-template", default=None,
+                   help="a chat template file, or the template itself, replacing the tokenizer's")
     g = parser.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -50,9 +58,16 @@ class ArgError(ValueError):
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from compilelm.llm import make_engine_config
+    from compilelm.models.tokenizer import load_chat_template
 
     model = args.model or getattr(args, "model_tag", None)
-    kw = dict(dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
+    try:
+        load_chat_template(args.chat_template)  # a missing file fails now, naming the flag
+    except OSError as e:
+        raise ArgError(f"--chat-template: {e}") from e
+    kw = dict(revision=args.revision, download_dir=args.download_dir, tokenizer=args.tokenizer,
+              tokenizer_revision=args.tokenizer_revision, chat_template=args.chat_template,
+              dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
               kv_cache_memory_gb=args.kv_cache_memory_gb,
               gpu_memory_utilization=args.gpu_memory_utilization,

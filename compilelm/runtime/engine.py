@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from compilelm.config import EngineConfig, SchedulerConfig
 from compilelm.models.loader import load_model_config, resolve_model
-from compilelm.models.tokenizer import load_tokenizer
+from compilelm.models.tokenizer import load_chat_template, load_tokenizer
 from compilelm.outputs import CompletionOutput, Logprob, RequestOutput
 from compilelm.runtime.async_step import AsyncStepOutput, needs_host_state
 from compilelm.runtime.detokenizer import IncrementalDetokenizer, check_stop_strings, detokenize_logprobs
@@ -76,7 +76,7 @@ class LLMEngine:
     @_no_automatic_gc()
     def __init__(self, config: EngineConfig):
         t0 = time.perf_counter()
-        self.source = resolve_model(config.model)
+        self.source = resolve_model(config.model, config.revision, config.download_dir)
         self.model_config = load_model_config(self.source, dict(config.model_overrides))
         self.model_config.verify_tensor_parallel(config.tensor_parallel_size)  # before starting ranks
         max_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -94,7 +94,10 @@ class LLMEngine:
         self.config = config = replace(config, max_model_len=max_len, scheduler=replace(
             sched, max_model_len=max_len, async_scheduling=async_scheduling))
         self.device, self.dtype = config.torch_device(), config.torch_dtype()
-        self.tokenizer = load_tokenizer(self.source)
+        self.tokenizer = load_tokenizer(self.source, config.tokenizer, config.tokenizer_revision or config.revision,
+                                        config.download_dir)
+        if config.chat_template is not None:
+            self.tokenizer.chat_template = load_chat_template(config.chat_template)
         self.executor = Executor(config)  # every rank loads its shard of the weights
         logger.info("weights loaded: %s (%s, %s) in %.1f s", self.source.name, self.dtype, self.device,
                     time.perf_counter() - t0)

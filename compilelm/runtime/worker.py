@@ -37,7 +37,7 @@ class Worker:
             compilation = dataclasses.replace(compilation, dump_dir=os.path.join(compilation.dump_dir, f"rank{rank}"))
         self.config = dataclasses.replace(config, compilation=compilation)
         init_distributed(rank, tp, init_method, self.device, config.custom_all_reduce_min_bytes)
-        self.source = resolve_model(config.model)
+        self.source = resolve_model(config.model, config.revision, config.download_dir)
         self.model_config = load_model_config(self.source, dict(config.model_overrides))
         self.dtype = config.torch_dtype()
         torch.manual_seed(config.seed)
