@@ -70,7 +70,8 @@ class EngineConfig:
     tokenizer: str | None = None  # None = the model's; else a folder, .gguf file or repo id
     tokenizer_revision: str | None = None  # None = `revision`
     chat_template: str | None = None  # a file or the template itself, replacing the tokenizer's
-    dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU
+    # auto = the checkpoint's torch_dtype on GPU (float32 checkpoints in bfloat16); float32 on CPU
+    dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None  # None = the model's context length
@@ -110,6 +111,8 @@ class EngineConfig:
         return torch.device(self.device)
 
     def torch_dtype(self):
+        """The model's dtype; "auto" is settled by the engine from the checkpoint
+        (compilelm/models/dtype.py) before anything is built, this is its fallback."""
         import torch
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32

@@ -31,7 +31,9 @@ def make_engine_config(model: str | None = None, *, compilation_config=None, enf
         engine_kw["model_overrides"] = tuple(engine_kw["model_overrides"].items())
     scheduler = None
     if sched_kw:
-        sched_kw.setdefault("max_num_batched_tokens", 2048)
+        # without chunked prefill a whole prompt is one step: the budget holds the longest (as vLLM)
+        chunked = sched_kw.get("enable_chunked_prefill", True)
+        sched_kw.setdefault("max_num_batched_tokens", 2048 if chunked else max(2048, kwargs.get("max_model_len") or 0))
         # max_model_len is re-resolved (and re-validated) by the engine once the model is known
         scheduler = SchedulerConfig(max_model_len=kwargs.get("max_model_len") or 1, **sched_kw)
     return EngineConfig(model=model, cache=cache, scheduler=scheduler,

@@ -31,7 +31,13 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from compilelm.entrypoints.argv import ConfigFileError, expand_argv
+
     parser = build_parser()
+    try:
+        argv = expand_argv(sys.argv[1:] if argv is None else list(argv), parser)
+    except ConfigFileError as e:
+        parser.error(str(e))
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

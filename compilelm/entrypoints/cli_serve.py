@@ -31,7 +31,8 @@ def add_parser(sub) -> None:
                    help="seconds in-flight requests may take to finish after SIGTERM (0: abort)")
     g.add_argument("--max-request-body-bytes", type=int, default=8 * 2**20,
                    help="larger request bodies get 413")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--uvicorn-log-level", "--log-level", dest="log_level", default="info",
+                   choices=["debug", "info", "warning", "error", "critical", "trace"], help="uvicorn's log level")
     p.set_defaults(run=run)
 
 

@@ -1,10 +1,17 @@
-"""Engine flags shared by `generate`, `compile` and `serve`, in vLLM's spelling."""
+"""Engine flags shared by `generate`, `compile` and `serve`, in vLLM's spelling and meaning.
+
+Flags vLLM has that cannot change anything here are accepted, and each warns once at start-up
+saying why (`warn_inapplicable`): a pasted vLLM command line runs, and says what it did not do.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 
 from compilelm.config import EngineConfig
+
+logger = logging.getLogger("compilelm")
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = True) -> None:
@@ -12,6 +19,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
         parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                             help="HF directory, .gguf file, or dummy:<preset> (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--model", default=None, help="same as the positional MODEL")
+    parser.add_argument("--config", metavar="FILE.yaml", default=None,
+                        help="flags from a YAML file (`max-model-len: 4096`); the command line's win")
     m = parser.add_argument_group("model")
     m.add_argument("--revision", default=None, help="a Hugging Face repo id's branch, tag or commit (default: main)")
     m.add_argument("--download-dir", default=None,
@@ -20,8 +29,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     m.add_argument("--tokenizer-revision", default=None, help="the --tokenizer repo's revision (default: --revision)")
     m.add_argument("--chat-template", default=None,
                    help="a chat template file, or the template itself, replacing the tokenizer's")
+    m.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM command lines; compilelm never runs a model's own code")
     g = parser.add_argument_group("engine")
-    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--dtype", default="auto",
+                   help="auto (the checkpoint's torch_dtype on GPU, float32 checkpoints in bfloat16; float32 "
+                        "on CPU) | float32 | bfloat16 | float16")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-model-len", type=int, default=None)
@@ -31,7 +44,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     g.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV-cache size in blocks")
     g.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="KV-cache budget on CPU")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of shared prompt prefixes (default: on)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="split long prompts over several steps (default: on)")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (the model's dtype); others are accepted for vLLM command lines and warn")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while the GPU runs step N (default: on for CUDA with one rank)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -56,10 +74,22 @@ class ArgError(ValueError):
     """A bad flag value; the message names the flag."""
 
 
+def warn_inapplicable(args: argparse.Namespace) -> None:
+    """One warning per vLLM flag given that has nothing to change here, saying why."""
+    if getattr(args, "trust_remote_code", False):
+        logger.warning("--trust-remote-code: ignored; compilelm runs only its built-in architectures "
+                       "(Llama, Mistral, Qwen2, Qwen3) and never executes a checkpoint's own code")
+    kv_dtype = getattr(args, "kv_cache_dtype", "auto")
+    if kv_dtype != "auto":
+        logger.warning("--kv-cache-dtype %s: not supported, ignored; the KV cache stays in the model's "
+                       "dtype, so it holds fewer tokens in the same memory than vLLM's would", kv_dtype)
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from compilelm.llm import make_engine_config
     from compilelm.models.tokenizer import load_chat_template
 
+    warn_inapplicable(args)
     model = args.model or getattr(args, "model_tag", None)
     try:
         load_chat_template(args.chat_template)  # a missing file fails now, naming the flag
@@ -78,6 +108,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kw["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens is not None:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.enable_chunked_prefill is not None:
+        kw["enable_chunked_prefill"] = args.enable_chunked_prefill
     if getattr(args, "async_scheduling", None) is not None:
         kw["async_scheduling"] = args.async_scheduling
     compilation = args.compilation_config
@@ -94,7 +126,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                "gpu_memory_utilization": "--gpu-memory-utilization",
                "kv_cache_memory_gb": "--kv-cache-memory-gb", "quantization": "--quantization",
                "tensor_parallel_size": "--tensor-parallel-size",
-               "custom_all_reduce_min_bytes": "--custom-all-reduce-min-bytes"}
+               "custom_all_reduce_min_bytes": "--custom-all-reduce-min-bytes",
+               "enable_chunked_prefill": "--enable-chunked-prefill"}
     try:
         return make_engine_config(model, compilation_config=compilation, enforce_eager=args.enforce_eager,
                                   optimization_level=args.optimization_level, **kw)

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from compilelm.config import EngineConfig, SchedulerConfig
+from compilelm.models.dtype import resolve_dtype
 from compilelm.models.loader import load_model_config, resolve_model
 from compilelm.models.tokenizer import load_chat_template, load_tokenizer
 from compilelm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -77,6 +78,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         t0 = time.perf_counter()
         self.source = resolve_model(config.model, config.revision, config.download_dir)
+        config = replace(config, dtype=resolve_dtype(config.dtype, self.source, config.torch_device().type))
         self.model_config = load_model_config(self.source, dict(config.model_overrides))
         self.model_config.verify_tensor_parallel(config.tensor_parallel_size)  # before starting ranks
         max_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -84,6 +86,11 @@ class LLMEngine:
             raise ValueError(f"max_model_len ({max_len}) exceeds the model's context length "
                              f"({self.model_config.max_position_embeddings})")
         sched = config.scheduler or SchedulerConfig(max_num_batched_tokens=2048, max_model_len=max_len)
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_len:
+            # a whole prompt runs in one step: the budget holds the longest (vLLM does the same)
+            logger.info("chunked prefill off: max_num_batched_tokens %d -> max_model_len %d",
+                        sched.max_num_batched_tokens, max_len)
+            sched = replace(sched, max_num_batched_tokens=max_len)
         async_scheduling = sched.async_scheduling
         if async_scheduling is None:  # on where the host's work can hide behind the GPU's
             async_scheduling = config.torch_device().type == "cuda" and config.tensor_parallel_size == 1
