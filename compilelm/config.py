@@ -70,6 +70,10 @@ class EngineConfig:
     tokenizer: str | None = None  # None = the model's; else a folder, .gguf file or repo id
     tokenizer_revision: str | None = None  # None = `revision`
     chat_template: str | None = None  # a file or the template itself, replacing the tokenizer's
+    # default sampling: "auto" = the model's generation_config.json, "vllm" = none, else a folder
+    # holding a generation_config.json
+    generation_config: str = "auto"
+    override_generation_config: tuple[tuple[str, object], ...] = ()  # on top of generation_config
     # auto = the checkpoint's torch_dtype on GPU (float32 checkpoints in bfloat16); float32 on CPU
     dtype: str = "auto"
     device: str = "auto"
@@ -87,6 +91,8 @@ class EngineConfig:
     custom_all_reduce_min_bytes: int | None = None
 
     def __post_init__(self):
+        if not self.generation_config:
+            raise ValueError("generation_config must be auto, vllm or a folder, got ''")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(sorted(set(_DTYPES)))}; got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -65,7 +65,7 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
         # only finished outputs are kept: the engine need not build the others every step
@@ -81,6 +81,11 @@ class LLM:
                         results[order[out.request_id]] = out
                         bar.update(1)
         return results
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` / `chat` use when given no SamplingParams: the model's generation config
+        (--generation-config; vLLM's rule), else SamplingParams()."""
+        return SamplingParams(**self.engine.default_sampling_params())
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:

@@ -32,7 +32,7 @@ def test_serve_accepts_a_pasted_vllm_command_line():
     args = _parse("serve", "Qwen/Qwen3-8B", "--enable-prefix-caching", "--enable-chunked-prefill",
                   "--uvicorn-log-level", "warning",
                   "--trust-remote-code", "--kv-cache-dtype", "fp8", "--chat-template", "t.jinja",
-                  "--tokenizer", "Qwen/Qwen3-8B", "--revision", "main",
+                  "--tokenizer", "Qwen/Qwen3-8B", "--generation-config", "vllm", "--revision", "main",
                   "--served-model-name", "qwen", "qwen3", "--max_num_seqs", "8", "--gpu-memory-utilization",
                   "0.8", "-tp", "1", "-O3")
     assert args.model_tag == "Qwen/Qwen3-8B" and args.enable_prefix_caching and args.enable_chunked_prefill
@@ -79,7 +79,7 @@ def test_generate_runs_with_vllm_flags_and_warns_once_for_inapplicable_ones(tmp_
     model = tiny_llama(tmp_path / "m", vocab_size=32)
     word_tokenizer(tmp_path / "m")
     r = _cli("generate", "the cat", "--model", str(model), "--trust-remote-code", "--kv-cache-dtype", "fp8",
-             "--enable-prefix-caching", "--no-enable-chunked-prefill",
+             "--enable-prefix-caching", "--no-enable-chunked-prefill", "--generation-config", "vllm",
              "--max-tokens", "2", *SMALL)
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("--trust-remote-code: ignored") == 1

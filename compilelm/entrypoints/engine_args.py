@@ -7,6 +7,7 @@ saying why (`warn_inapplicable`): a pasted vLLM command line runs, and says what
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 
 from compilelm.config import EngineConfig
@@ -29,6 +30,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     m.add_argument("--tokenizer-revision", default=None, help="the --tokenizer repo's revision (default: --revision)")
     m.add_argument("--chat-template", default=None,
                    help="a chat template file, or the template itself, replacing the tokenizer's")
+    m.add_argument("--generation-config", default="auto",
+                   help="default sampling: auto (the model's generation_config.json), vllm (none), or a "
+                        "folder holding a generation_config.json")
+    m.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help='default sampling laid over --generation-config, e.g. \'{"temperature": 0.5}\'')
     m.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM command lines; compilelm never runs a model's own code")
     g = parser.add_argument_group("engine")
@@ -85,6 +91,18 @@ def warn_inapplicable(args: argparse.Namespace) -> None:
                        "dtype, so it holds fewer tokens in the same memory than vLLM's would", kv_dtype)
 
 
+def _json_object(flag: str, text: str | None) -> dict:
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ArgError(f"{flag}: not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise ArgError(f"{flag}: must be a JSON object, got {text!r}")
+    return value
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from compilelm.llm import make_engine_config
     from compilelm.models.tokenizer import load_chat_template
@@ -95,8 +113,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         load_chat_template(args.chat_template)  # a missing file fails now, naming the flag
     except OSError as e:
         raise ArgError(f"--chat-template: {e}") from e
+    if args.generation_config not in ("auto", "vllm"):
+        import os
+        if not os.path.isfile(os.path.join(args.generation_config, "generation_config.json")):
+            raise ArgError(f"--generation-config: no generation_config.json in {args.generation_config} "
+                           "(auto | vllm | a folder holding one)")
+    override = _json_object("--override-generation-config", args.override_generation_config)
     kw = dict(revision=args.revision, download_dir=args.download_dir, tokenizer=args.tokenizer,
               tokenizer_revision=args.tokenizer_revision, chat_template=args.chat_template,
+              generation_config=args.generation_config, override_generation_config=tuple(override.items()),
               dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
               kv_cache_memory_gb=args.kv_cache_memory_gb,
@@ -127,7 +152,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                "kv_cache_memory_gb": "--kv-cache-memory-gb", "quantization": "--quantization",
                "tensor_parallel_size": "--tensor-parallel-size",
                "custom_all_reduce_min_bytes": "--custom-all-reduce-min-bytes",
-               "enable_chunked_prefill": "--enable-chunked-prefill"}
+               "generation_config": "--generation-config", "enable_chunked_prefill": "--enable-chunked-prefill"}
     try:
         return make_engine_config(model, compilation_config=compilation, enforce_eager=args.enforce_eager,
                                   optimization_level=args.optimization_level, **kw)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from compilelm.config import EngineConfig, SchedulerConfig
 from compilelm.models.dtype import resolve_dtype
+from compilelm.models.generation_config import load_generation_defaults
 from compilelm.models.loader import load_model_config, resolve_model
 from compilelm.models.tokenizer import load_chat_template, load_tokenizer
 from compilelm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -80,6 +81,15 @@ class LLMEngine:
         self.source = resolve_model(config.model, config.revision, config.download_dir)
         config = replace(config, dtype=resolve_dtype(config.dtype, self.source, config.torch_device().type))
         self.model_config = load_model_config(self.source, dict(config.model_overrides))
+        self.generation_defaults = load_generation_defaults(self.source, config.generation_config,
+                                                            dict(config.override_generation_config))
+        if self.generation_defaults.sampling:
+            SamplingParams(**self.generation_defaults.sampling_dict())  # a bad value fails now, named
+            logger.warning("Default sampling parameters have been overridden by the model's generation config "
+                           "(%s): %s; a request's own values still win. If this is not intended, start with "
+                           "--generation-config vllm",
+                           self.generation_defaults.source or "--override-generation-config",
+                           self.generation_defaults.sampling_dict())
         self.model_config.verify_tensor_parallel(config.tensor_parallel_size)  # before starting ranks
         max_len = config.max_model_len or self.model_config.max_position_embeddings
         if max_len > self.model_config.max_position_embeddings:
@@ -126,7 +136,10 @@ class LLMEngine:
         self.eos_token_id = self.tokenizer.eos_token_id
         if self.eos_token_id is None and self.model_config.eos_token_ids:
             self.eos_token_id = self.model_config.eos_token_ids[0]
-        self.extra_eos_ids = [t for t in self.model_config.eos_token_ids if t != self.eos_token_id]
+        # config.json's and generation_config.json's EOS ids (Qwen3, Llama 3 list several) end a request too
+        self.extra_eos_ids = [t for t in dict.fromkeys((*self.model_config.eos_token_ids,
+                                                        *self.generation_defaults.eos_token_ids))
+                              if t != self.eos_token_id]
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         # Everything alive now (modules, graphs, the model, the block pool) leaves the garbage
@@ -187,6 +200,11 @@ class LLMEngine:
         for child in parent.children:
             self.scheduler.add_request(child.request)
         return request_id
+
+    def default_sampling_params(self) -> dict:
+        """SamplingParams fields from the model's generation config (--generation-config): what a
+        request gets for the fields it does not set (vLLM's get_diff_sampling_param)."""
+        return self.generation_defaults.sampling_dict()
 
     def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:

@@ -112,6 +112,11 @@ class OpenAIServing:
         return max_tokens if max_tokens is not None else max_len - n_prompt
 
     def sampling_params(self, req, max_tokens: int, logprobs: int | None, **extra) -> SamplingParams:
+        """The request's fields; those it leaves unset come from the model's generation config
+        (--generation-config), whose max_new_tokens also caps max_tokens (as in vLLM)."""
+        defaults = self.engine.default_sampling_params()
+        if defaults.get("max_tokens") is not None:
+            max_tokens = min(max_tokens, defaults["max_tokens"])
         kw = dict(n=req.n, max_tokens=max_tokens, logprobs=logprobs, seed=req.seed,
                   stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                   min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
@@ -120,6 +125,8 @@ class OpenAIServing:
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             value = getattr(req, name)
+            if value is None:
+                value = defaults.get(name)
             if value is not None:
                 kw[name] = value
         if req.logit_bias:
