@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from compilelm.entrypoints.openai.errors import OpenAIError, install_error_handlers, unavailable
+from compilelm.entrypoints.openai.ignored_fields import report_ignored
 from compilelm.entrypoints.openai.metrics import CONTENT_TYPE
 from compilelm.entrypoints.openai.middleware import AuthMiddleware, BodyLimitMiddleware
 from compilelm.entrypoints.openai.protocol import (
@@ -97,31 +98,35 @@ def build_app(state: ServerState, api_keys: list[str] | None = None, guard_metri
 
     @app.post("/v1/completions", responses=_json_or_sse(CompletionResponse))
     async def create_completion(body: CompletionRequest, raw: Request):
+        headers = report_ignored(body)
         job = completion.prepare(body)
         if body.stream:
-            return _sse(completion.stream(body, job))
+            return _sse(completion.stream(body, job), headers)
         resp = await _until_disconnect(raw, completion.complete(body, job))
-        return resp if isinstance(resp, Response) else JSONResponse(resp.model_dump())
+        return resp if isinstance(resp, Response) else JSONResponse(resp.model_dump(), headers=headers)
 
     @app.post("/v1/chat/completions", responses=_json_or_sse(ChatCompletionResponse))
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
+        headers = report_ignored(body)
         request_id, ids, stream = chat.prepare(body)
         if body.stream:
-            return _sse(chat.stream(body, request_id, ids, stream))
+            return _sse(chat.stream(body, request_id, ids, stream), headers)
         resp = await _until_disconnect(raw, chat.complete(body, request_id, ids, stream))
-        return resp if isinstance(resp, Response) else JSONResponse(resp.model_dump())
+        return resp if isinstance(resp, Response) else JSONResponse(resp.model_dump(), headers=headers)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest):
+        headers = report_ignored(body)
         completion.check_model(body.model)
         tok = completion.engine.tokenizer
         if isinstance(body, TokenizeChatRequest):
-            ids = chat.render(body.messages, body.add_generation_prompt, body.continue_final_message)
+            ids = chat.render(body.messages, body.add_generation_prompt, body.continue_final_message,
+                              body.chat_template_kwargs)
         else:
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
-        return TokenizeResponse(count=len(ids), max_model_len=completion.engine.config.max_model_len,
-                                tokens=ids, token_strs=strs)
+        return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=completion.engine.config.max_model_len,
+                                             tokens=ids, token_strs=strs).model_dump(), headers=headers)
 
     @app.get("/tokenizer_info", response_model=TokenizerInfoResponse, responses=_ERRORS)
     async def get_tokenizer_info():
@@ -144,9 +149,9 @@ def build_app(state: ServerState, api_keys: list[str] | None = None, guard_metri
     return wrapped
 
 
-def _sse(chunks) -> StreamingResponse:
+def _sse(chunks, headers: dict | None = None) -> StreamingResponse:
     return StreamingResponse(chunks, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
 
 
 async def _until_disconnect(raw: Request, coro):
