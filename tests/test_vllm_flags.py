@@ -30,14 +30,15 @@ def _cli(*args):
 
 def test_serve_accepts_a_pasted_vllm_command_line():
     args = _parse("serve", "Qwen/Qwen3-8B", "--enable-prefix-caching", "--enable-chunked-prefill",
-                  "--uvicorn-log-level", "warning",
+                  "--disable-log-requests", "--enable-log-requests", "--uvicorn-log-level", "warning",
                   "--trust-remote-code", "--kv-cache-dtype", "fp8", "--chat-template", "t.jinja",
                   "--tokenizer", "Qwen/Qwen3-8B", "--generation-config", "vllm", "--revision", "main",
                   "--served-model-name", "qwen", "qwen3", "--max_num_seqs", "8", "--gpu-memory-utilization",
-                  "0.8", "-tp", "1", "-O3")
+                  "0.8", "--allowed-origins", '["https://a.example"]', "--disable-uvicorn-access-log",
+                  "--disable-log-stats", "-tp", "1", "-O3")
     assert args.model_tag == "Qwen/Qwen3-8B" and args.enable_prefix_caching and args.enable_chunked_prefill
     assert args.log_level == "warning" and args.kv_cache_dtype == "fp8" and args.max_num_seqs == 8
-    assert args.served_model_name == ["qwen", "qwen3"]
+    assert args.served_model_name == ["qwen", "qwen3"] and args.allowed_origins == ["https://a.example"]
     assert args.optimization_level == 3
     off = _parse("serve", "m", "--no-enable-prefix-caching", "--no-enable-chunked-prefill")
     assert off.enable_prefix_caching is False and off.enable_chunked_prefill is False

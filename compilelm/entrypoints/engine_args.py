@@ -56,6 +56,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                    help="split long prompts over several steps (default: on)")
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (the model's dtype); others are accepted for vLLM command lines and warn")
+    g.add_argument("--disable-log-stats", action="store_true", help="serve: no periodic stats line")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while the GPU runs step N (default: on for CUDA with one rank)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -89,6 +90,9 @@ def warn_inapplicable(args: argparse.Namespace) -> None:
     if kv_dtype != "auto":
         logger.warning("--kv-cache-dtype %s: not supported, ignored; the KV cache stays in the model's "
                        "dtype, so it holds fewer tokens in the same memory than vLLM's would", kv_dtype)
+    if getattr(args, "disable_log_requests", False):
+        logger.warning("--disable-log-requests: requests are not logged by default (as in vLLM, which "
+                       "deprecated this flag); --enable-log-requests turns logging on")
 
 
 def _json_object(flag: str, text: str | None) -> dict:

@@ -21,6 +21,7 @@ import time
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from compilelm.entrypoints.openai.errors import OpenAIError, install_error_handlers, unavailable
@@ -46,6 +47,7 @@ from compilelm.entrypoints.openai.protocol import (
 from compilelm.entrypoints.openai.serving_chat import OpenAIServingChat
 from compilelm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from compilelm.entrypoints.openai.serving_engine import ServerState
+from compilelm.entrypoints.openai.stats_logger import StatsLogger
 from compilelm.entrypoints.openai.tokenizer_info import tokenizer_info
 
 logger = logging.getLogger("compilelm")
@@ -59,9 +61,12 @@ def _json_or_sse(model) -> dict:
 
 
 def build_app(state: ServerState, api_keys: list[str] | None = None, guard_metrics: bool = False,
-              max_body_bytes: int = 8 * 2**20) -> FastAPI:
+              max_body_bytes: int = 8 * 2**20, cors: dict | None = None) -> FastAPI:
     """With `api_keys`, every route needs one but /health and /metrics (as in vLLM, whose
-    Prometheus scrapes carry no key); `guard_metrics` puts /metrics behind the key too."""
+    Prometheus scrapes carry no key); `guard_metrics` puts /metrics behind the key too. `cors`:
+    CORSMiddleware's allow_origins / allow_methods / allow_headers / allow_credentials (default,
+    as vLLM's: every origin, method and header, no credentials); it wraps everything, so a
+    browser's preflight needs no key."""
     from compilelm import __version__
 
     app = FastAPI(title="compilelm OpenAI-compatible API", version=__version__)
@@ -146,7 +151,9 @@ def build_app(state: ServerState, api_keys: list[str] | None = None, guard_metri
     if api_keys:
         public = frozenset({"/health"} | (set() if guard_metrics else {"/metrics"}))
         wrapped = AuthMiddleware(wrapped, api_keys, public)
-    return wrapped
+    cors = {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers": ["*"], "allow_credentials": False,
+            **(cors or {})}
+    return CORSMiddleware(wrapped, **cors)
 
 
 def _sse(chunks, headers: dict | None = None) -> StreamingResponse:
@@ -225,10 +232,11 @@ class _Server(uvicorn.Server):
 
 
 def serve_http(app, state: ServerState, host: str, port: int, shutdown_timeout: float,
-               log_level: str = "info") -> int:
+               log_level: str = "info", access_log: bool = True, log_stats: bool = True) -> int:
     """Serve until drained or the engine dies; returns the exit status (1: the engine died).
-    Raises the engine's load error if the model failed to load."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+    Raises the engine's load error if the model failed to load. `access_log`: uvicorn's line per
+    HTTP request; `log_stats`: the periodic stats line (stats_logger.py)."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_graceful_shutdown=5, timeout_keep_alive=5,
                             h11_max_incomplete_event_size=64 * 1024)  # bounds header memory
     server = _Server(config, state, shutdown_timeout)
@@ -247,10 +255,13 @@ def serve_http(app, state: ServerState, host: str, port: int, shutdown_timeout: 
         logger.info("Starting compilelm API server on %s (loading the model; /health is 503 "
                     "until ready)", url)
         ready = asyncio.ensure_future(announce_ready())
+        stats = asyncio.ensure_future(StatsLogger(lambda: engine.stats).run()) if log_stats else None
         try:
             await server.serve()
         finally:
             ready.cancel()
+            if stats is not None:
+                stats.cancel()
 
     try:
         asyncio.run(main())

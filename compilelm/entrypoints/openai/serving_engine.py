@@ -37,6 +37,7 @@ class ServerState:
     served_model_names: list[str]
     metrics: object | None = None  # ServerMetrics
     draining: bool = False
+    request_logger: object | None = None  # RequestLogger (--enable-log-requests)
 
 
 def random_id(prefix: str) -> str:
@@ -160,9 +161,12 @@ class OpenAIServing:
             return bad_request(str(e))
         return internal_error(f"internal server error: {type(e).__name__}")
 
-    def start(self, request_id: str, token_ids: list[int], params: SamplingParams) -> RequestStream:
+    def start(self, request_id: str, token_ids: list[int], params: SamplingParams,
+              prompt: str | None = None) -> RequestStream:
         """Enqueue one engine request of a request that `admit` took (a dead engine's 500 is
         raised here, before any response bytes are sent)."""
+        if self.state.request_logger is not None:
+            self.state.request_logger.log_inputs(request_id, prompt, token_ids, params)
         try:
             return self.state.async_engine.generate(request_id, token_ids, params, admitted=True)
         except Exception as e:  # noqa: BLE001 - mapped to a status, never a crash
@@ -191,13 +195,13 @@ class OpenAIServing:
         finally:
             stream.close()
 
-    def start_many(self, request_id: str, prompts: list[tuple[list[int], SamplingParams]],
+    def start_many(self, request_id: str, prompts: list[tuple[str | None, list[int], SamplingParams]],
                    ) -> list[RequestStream]:
         streams = []
         try:
-            for i, (ids, params) in enumerate(prompts):
+            for i, (text, ids, params) in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(self.start(rid, ids, params))
+                streams.append(self.start(rid, ids, params, text))
         except BaseException:
             for s in streams:
                 s.close()
