@@ -22,10 +22,10 @@ def tiny_llama(path: Path, vocab_size: int = 64, **config) -> Path:
 
     shard = config.pop("max_shard_size", None)
     dtype = config.pop("torch_dtype", "float32")
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                      **config)
+    cfg = LlamaConfig(**{**dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+                         **config})
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
     kw = {"max_shard_size": shard} if shard else {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from compilelm.models.config import ModelConfig, dummy_config
 from compilelm.models.hub import looks_like_repo_id, snapshot
 from compilelm.models.registry import get_model_class
 from compilelm.models.weight_files import safetensors_files
+
+logger = logging.getLogger("compilelm")
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -169,8 +172,11 @@ def build_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype, de
     if source.kind == "dummy":
         init_dummy_weights(model)
     elif source.kind == "gguf":
-        from compilelm.models.gguf_loader import iterate_gguf_weights, open_gguf
+        from compilelm.models.gguf_loader import dequantization_cost, iterate_gguf_weights, open_gguf
         reader = open_gguf(source.path)
+        cost = dequantization_cost(reader, torch.empty((), dtype=dtype).element_size())
+        if cost is not None and get_tp_rank() == 0:
+            logger.info("%s", cost)
         load_weights(model, iterate_gguf_weights(reader, config), total=len(reader.tensors))
     else:
         from compilelm.layers.quantization import checkpoint_quantization, dequantize_fp8_weights
