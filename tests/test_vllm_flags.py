@@ -42,6 +42,9 @@ def test_serve_accepts_a_pasted_vllm_command_line():
     assert args.optimization_level == 3
     off = _parse("serve", "m", "--no-enable-prefix-caching", "--no-enable-chunked-prefill")
     assert off.enable_prefix_caching is False and off.enable_chunked_prefill is False
+    sizes = _parse("serve", "m", "--max-model-len", "32k", "--max-num-batched-tokens=8K")
+    assert (sizes.max_model_len, sizes.max_num_batched_tokens) == (32000, 8192)
+    assert _parse("serve", "m", "--max-model-len", "25.6k").max_model_len == 25600
 
 
 def test_config_yaml_then_command_line(tmp_path):

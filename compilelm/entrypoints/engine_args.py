@@ -43,9 +43,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                         "on CPU) | float32 | bfloat16 | float16")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-model-len", type=human_int, default=None, help="e.g. 4096, 32k (32000), 32K (32768)")
     g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=human_int, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV-cache size in blocks")
     g.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="KV-cache budget on CPU")
@@ -75,6 +75,28 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     c.add_argument("--pass", dest="custom_passes", action="append", default=[],
                    metavar="MODULE:CLASS[,stage=S][,before=P|after=P]",
                    help="add a custom graph pass (repeatable; after the built-in passes of its stage by default)")
+
+
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def human_int(text: str) -> int:
+    """vLLM's token counts: 4096, 32k = 32000, 25.6k = 25600, 32K = 32768 (no decimals with K/M/G)."""
+    text = text.strip()
+    if text[-1:] in _SUFFIXES:
+        number, mult = text[:-1], _SUFFIXES[text[-1]]
+        if text[-1].isupper():
+            if not number.isdigit():
+                raise argparse.ArgumentTypeError(f"{text!r}: no decimals with binary suffixes (K, M, G)")
+            return int(number) * mult
+        try:
+            return int(float(number) * mult)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (e.g. 4096, 32k, 32K)") from None
 
 
 class ArgError(ValueError):
