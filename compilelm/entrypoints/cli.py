@@ -45,9 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s] %(message)s",
                         datefmt="%H:%M:%S")
     from compilelm.entrypoints.engine_args import ArgError
+    from compilelm.ops.device_check import UnsupportedDeviceError
     try:
         return args.run(args) or 0
-    except (ArgError, FileNotFoundError, ValueError) as e:
+    except (ArgError, FileNotFoundError, ValueError, UnsupportedDeviceError) as e:
         print(f"compilelm {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -90,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     # a missing model fails now, before the port is bound (and a repo id is downloaded once, here)
     source = resolve_model(config.model, config.revision, config.download_dir)
+    from compilelm.ops.device_check import check_cuda_device
+    check_cuda_device(config.torch_device())  # a GPU the kernels were not built for: now, not at a request
     names = args.served_model_name or [source.name]
     async_engine = AsyncLLMEngine(lambda: LLMEngine(config), max_queue_len=args.max_queue_len)
     state = ServerState(async_engine, names)
