@@ -64,8 +64,18 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat1
 class EngineConfig:
     """Everything an engine is built from. `model=None` is the default model."""
 
-    model: str | None = None
-    dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU
+    model: str | None = None  # folder, .gguf file, Hugging Face repo id, dummy:<preset>; None = default
+    revision: str | None = None  # a repo id's branch, tag or commit (None: main)
+    download_dir: str | None = None  # the Hugging Face cache to read / download into (None: HF_HOME's)
+    tokenizer: str | None = None  # None = the model's; else a folder, .gguf file or repo id
+    tokenizer_revision: str | None = None  # None = `revision`
+    chat_template: str | None = None  # a file or the template itself, replacing the tokenizer's
+    # default sampling: "auto" = the model's generation_config.json, "vllm" = none, else a folder
+    # holding a generation_config.json
+    generation_config: str = "auto"
+    override_generation_config: tuple[tuple[str, object], ...] = ()  # on top of generation_config
+    # auto = the checkpoint's torch_dtype on GPU (float32 checkpoints in bfloat16); float32 on CPU
+    dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None  # None = the model's context length
@@ -81,6 +91,8 @@ class EngineConfig:
     custom_all_reduce_min_bytes: int | None = None
 
     def __post_init__(self):
+        if not self.generation_config:
+            raise ValueError("generation_config must be auto, vllm or a folder, got ''")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(sorted(set(_DTYPES)))}; got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -105,6 +117,8 @@ class EngineConfig:
         return torch.device(self.device)
 
     def torch_dtype(self):
+        """The model's dtype; "auto" is settled by the engine from the checkpoint
+        (compilelm/models/dtype.py) before anything is built, this is its fallback."""
         import torch
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32

@@ -31,7 +31,9 @@ def make_engine_config(model: str | None = None, *, compilation_config=None, enf
         engine_kw["model_overrides"] = tuple(engine_kw["model_overrides"].items())
     scheduler = None
     if sched_kw:
-        sched_kw.setdefault("max_num_batched_tokens", 2048)
+        # without chunked prefill a whole prompt is one step: the budget holds the longest (as vLLM)
+        chunked = sched_kw.get("enable_chunked_prefill", True)
+        sched_kw.setdefault("max_num_batched_tokens", 2048 if chunked else max(2048, kwargs.get("max_model_len") or 0))
         # max_model_len is re-resolved (and re-validated) by the engine once the model is known
         scheduler = SchedulerConfig(max_model_len=kwargs.get("max_model_len") or 1, **sched_kw)
     return EngineConfig(model=model, cache=cache, scheduler=scheduler,
@@ -63,7 +65,7 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
         # only finished outputs are kept: the engine need not build the others every step
@@ -79,6 +81,11 @@ class LLM:
                         results[order[out.request_id]] = out
                         bar.update(1)
         return results
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` / `chat` use when given no SamplingParams: the model's generation config
+        (--generation-config; vLLM's rule), else SamplingParams()."""
+        return SamplingParams(**self.engine.default_sampling_params())
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:

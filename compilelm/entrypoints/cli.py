@@ -31,7 +31,13 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from compilelm.entrypoints.argv import ConfigFileError, expand_argv
+
     parser = build_parser()
+    try:
+        argv = expand_argv(sys.argv[1:] if argv is None else list(argv), parser)
+    except ConfigFileError as e:
+        parser.error(str(e))
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -39,9 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s] %(message)s",
                         datefmt="%H:%M:%S")
     from compilelm.entrypoints.engine_args import ArgError
+    from compilelm.ops.device_check import UnsupportedDeviceError
     try:
         return args.run(args) or 0
-    except (ArgError, FileNotFoundError, ValueError) as e:
+    except (ArgError, FileNotFoundError, ValueError, UnsupportedDeviceError) as e:
         print(f"compilelm {args.command}: error: {e}", file=sys.stderr)
         return 2
 

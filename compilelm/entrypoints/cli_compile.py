@@ -46,6 +46,7 @@ def load_model(config):
 
 
 def run(args: argparse.Namespace) -> int:
+    from compilelm.models.dtype import resolve_dtype
     from compilelm.models.loader import load_model_config, resolve_model
     from compilelm.runtime.executor import Executor
 
@@ -59,9 +60,11 @@ def run(args: argparse.Namespace) -> int:
         compilation = dataclasses.replace(compilation, inductor_options=tuple(sorted(
             {**dict(compilation.inductor_options), **PROFILE_PATCHES}.items())))
     compilation = dataclasses.replace(compilation, dump_dir=args.dump, verify_passes=args.verify)
-    config = dataclasses.replace(config, compilation=compilation)
-    load_model_config(resolve_model(config.model), dict(config.model_overrides)).verify_tensor_parallel(
-        config.tensor_parallel_size)
+    source = resolve_model(config.model, config.revision, config.download_dir)
+    # --dtype auto settled as the engine settles it: the same cache key
+    config = dataclasses.replace(config, compilation=compilation,
+                                 dtype=resolve_dtype(config.dtype, source, config.torch_device().type))
+    load_model_config(source, dict(config.model_overrides)).verify_tensor_parallel(config.tensor_parallel_size)
     # The model is loaded exactly as the engine loads it (one Worker per rank), so the cache keys match.
     executor = Executor(config)
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 
 from compilelm.entrypoints.engine_args import ArgError, add_engine_args, engine_config_from_args
@@ -31,8 +32,34 @@ def add_parser(sub) -> None:
                    help="seconds in-flight requests may take to finish after SIGTERM (0: abort)")
     g.add_argument("--max-request-body-bytes", type=int, default=8 * 2**20,
                    help="larger request bodies get 413")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--uvicorn-log-level", "--log-level", dest="log_level", default="info",
+                   choices=["debug", "info", "warning", "error", "critical", "trace"], help="uvicorn's log level")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no access log line per HTTP request (default: on, as in vLLM)")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request's prompt and sampling parameters as it arrives")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted for vLLM command lines (requests are not logged unless --enable-log-requests)")
+    g.add_argument("--max-log-len", type=int, default=None,
+                   help="with --enable-log-requests: at most this many prompt characters / ids per line")
+    cors = p.add_argument_group("CORS (as vLLM: every origin allowed by default)")
+    cors.add_argument("--allowed-origins", type=_json_list("--allowed-origins"), default=["*"], metavar="JSON")
+    cors.add_argument("--allowed-methods", type=_json_list("--allowed-methods"), default=["*"], metavar="JSON")
+    cors.add_argument("--allowed-headers", type=_json_list("--allowed-headers"), default=["*"], metavar="JSON")
+    cors.add_argument("--allowed-credentials", action="store_true", help="allow credentials (cookies, auth)")
     p.set_defaults(run=run)
+
+
+def _json_list(flag: str):
+    def parse(text: str) -> list[str]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            raise argparse.ArgumentTypeError(f"{flag}: not a JSON list: {text!r}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"{flag}: must be a JSON list of strings, got {text!r}")
+        return value
+    return parse
 
 
 def _check_server_args(args: argparse.Namespace) -> None:
@@ -42,6 +69,8 @@ def _check_server_args(args: argparse.Namespace) -> None:
         raise ArgError(f"--max-queue-len: must be >= 0, got {args.max_queue_len}")
     if args.shutdown_timeout < 0:
         raise ArgError(f"--shutdown-timeout: must be >= 0, got {args.shutdown_timeout}")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ArgError(f"--max-log-len: must be >= 0, got {args.max_log_len}")
     if args.max_request_body_bytes < 1024:
         raise ArgError(f"--max-request-body-bytes: must be >= 1024, got {args.max_request_body_bytes}")
     for key in args.api_key or []:
@@ -59,14 +88,23 @@ def run(args: argparse.Namespace) -> int:
 
     _check_server_args(args)
     config = engine_config_from_args(args)
-    source = resolve_model(config.model)  # a missing model fails now, before the port is bound
+    # a missing model fails now, before the port is bound (and a repo id is downloaded once, here)
+    source = resolve_model(config.model, config.revision, config.download_dir)
+    from compilelm.ops.device_check import check_cuda_device
+    check_cuda_device(config.torch_device())  # a GPU the kernels were not built for: now, not at a request
     names = args.served_model_name or [source.name]
     async_engine = AsyncLLMEngine(lambda: LLMEngine(config), max_queue_len=args.max_queue_len)
     state = ServerState(async_engine, names)
+    if args.enable_log_requests:
+        from compilelm.entrypoints.openai.request_logger import RequestLogger
+        state.request_logger = RequestLogger(args.max_log_len)
     state.metrics = async_engine.metrics = ServerMetrics(names[0], lambda: async_engine.stats)
     logger.info("compilelm serve: model=%s served as %s, max_model_len=%s, api_key=%s",
                 source.name, names, config.max_model_len or "auto",
                 "set" if args.api_key else "none")
+    cors = {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
+            "allow_headers": args.allowed_headers, "allow_credentials": args.allowed_credentials}
     app = build_app(state, api_keys=args.api_key, guard_metrics=args.require_api_key_for_metrics,
-                    max_body_bytes=args.max_request_body_bytes)
-    return serve_http(app, state, args.host, args.port, args.shutdown_timeout, args.log_level)
+                    max_body_bytes=args.max_request_body_bytes, cors=cors)
+    return serve_http(app, state, args.host, args.port, args.shutdown_timeout, args.log_level,
+                      access_log=not args.disable_uvicorn_access_log, log_stats=not args.disable_log_stats)

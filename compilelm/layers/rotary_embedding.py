@@ -37,7 +37,13 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple
         return _llama3_inv_freq(inv_freq, scaling), 1.0
     if kind == "linear":
         return inv_freq / scaling["factor"], 1.0
-    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+    if kind == "freq_factors":  # llama.cpp's rope_freqs (GGUF): one divisor per frequency
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_scaling freq_factors has {factors.numel()} factors, head_dim {head_dim} "
+                             f"needs {inv_freq.numel()}")
+        return inv_freq / factors, 1.0
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, freq_factors)")
 
 
 class RotaryEmbedding(nn.Module):

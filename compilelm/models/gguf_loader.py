@@ -2,6 +2,16 @@
 
 llama.cpp stores Llama q/k projections permuted for its interleaved RoPE; we undo that so that the
 weights match the Hugging Face (rotate-half) layout that our model uses.
+
+RoPE scaling: llama.cpp's converter stores Llama 3.1 / 3.2's "llama3" scaling as the tensor
+`rope_freqs` (one divisor per rotary frequency) and no metadata; it becomes the rope type
+`freq_factors` (layers/rotary_embedding.py divides the base frequencies by it, as llama.cpp
+does). `<arch>.rope.scaling.type` linear (with `.factor`) is read too; other types (yarn, ...)
+are refused rather than run unscaled. transformers' GGUF reader drops both (its Llama config
+mapping has no rope-scaling keys).
+
+Quantized tensors are dequantized at load (compilelm has no kernel that reads GGUF quant types):
+`dequantization_cost` says what that costs in memory, and the loader logs it.
 """
 
 from __future__ import annotations
@@ -41,6 +51,21 @@ def _field(reader, key, default=None):
     return default if f is None else f.contents()
 
 
+def _rope_scaling(reader, arch: str, head_dim: int) -> dict | None:
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        factors = np.asarray(freqs.data, dtype=np.float32).reshape(-1)
+        if factors.size != head_dim // 2:
+            raise ValueError(f"GGUF rope_freqs has {factors.size} factors, expected head_dim / 2 = {head_dim // 2}")
+        return {"rope_type": "freq_factors", "factors": [float(f) for f in factors]}
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+    raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (supported: linear, llama3 via rope_freqs)")
+
+
 def gguf_model_config(reader) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -51,6 +76,7 @@ def gguf_model_config(reader) -> ModelConfig:
     names = {t.name for t in reader.tensors}
     vocab = p("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    head_dim = p("attention.key_length") or p("rope.dimension_count") or hidden // heads
     cfg = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "vocab_size": vocab, "hidden_size": hidden,
@@ -58,7 +84,7 @@ def gguf_model_config(reader) -> ModelConfig:
         "num_hidden_layers": p("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": p("attention.head_count_kv", heads),
-        "head_dim": p("attention.key_length") or p("rope.dimension_count") or hidden // heads,
+        "head_dim": head_dim,
         "rms_norm_eps": float(p("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(p("rope.freq_base", 10000.0)),
         "max_position_embeddings": p("context_length", 4096),
@@ -66,8 +92,25 @@ def gguf_model_config(reader) -> ModelConfig:
         "attention_bias": "blk.0.attn_q.bias" in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos,
+        "rope_scaling": _rope_scaling(reader, arch, head_dim),
     }
     return ModelConfig.from_hf_config(cfg)
+
+
+def dequantization_cost(reader, dtype_bytes: int) -> str | None:
+    """What dequantizing the file's quantized tensors costs, in words (None if none are)."""
+    from gguf import GGMLQuantizationType
+
+    plain = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+    quantized = [t for t in reader.tensors if t.tensor_type not in plain]
+    if not quantized:
+        return None
+    kinds = sorted({GGMLQuantizationType(t.tensor_type).name for t in quantized})
+    on_disk = sum(int(t.n_bytes) for t in quantized)
+    in_memory = sum(int(t.n_elements) for t in quantized) * dtype_bytes
+    return (f"{len(quantized)} of {len(reader.tensors)} GGUF tensors are quantized ({', '.join(kinds)}); compilelm "
+            f"has no kernel for GGUF quantization and dequantizes them at load: {on_disk / 2**20:.0f} MiB in the "
+            f"file -> {in_memory / 2**20:.0f} MiB in memory ({in_memory / max(on_disk, 1):.1f}x)")
 
 
 def _reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -94,7 +137,7 @@ def iterate_gguf_weights(reader, config: ModelConfig) -> Iterator[tuple[str, tor
     for t in reader.tensors:
         hf_name = gguf_hf_name(t.name)
         if hf_name is None:
-            continue  # e.g. rope_freqs: recomputed from the config
+            continue  # e.g. rope_freqs: in the config's rope_scaling (gguf_model_config)
         try:
             arr = dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:

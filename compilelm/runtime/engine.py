@@ -16,8 +16,10 @@ import time
 from dataclasses import dataclass, field, replace
 
 from compilelm.config import EngineConfig, SchedulerConfig
+from compilelm.models.dtype import resolve_dtype
+from compilelm.models.generation_config import load_generation_defaults
 from compilelm.models.loader import load_model_config, resolve_model
-from compilelm.models.tokenizer import load_tokenizer
+from compilelm.models.tokenizer import load_chat_template, load_tokenizer
 from compilelm.outputs import CompletionOutput, Logprob, RequestOutput
 from compilelm.runtime.async_step import AsyncStepOutput, needs_host_state
 from compilelm.runtime.detokenizer import IncrementalDetokenizer, check_stop_strings, detokenize_logprobs
@@ -76,14 +78,29 @@ class LLMEngine:
     @_no_automatic_gc()
     def __init__(self, config: EngineConfig):
         t0 = time.perf_counter()
-        self.source = resolve_model(config.model)
+        self.source = resolve_model(config.model, config.revision, config.download_dir)
+        config = replace(config, dtype=resolve_dtype(config.dtype, self.source, config.torch_device().type))
         self.model_config = load_model_config(self.source, dict(config.model_overrides))
+        self.generation_defaults = load_generation_defaults(self.source, config.generation_config,
+                                                            dict(config.override_generation_config))
+        if self.generation_defaults.sampling:
+            SamplingParams(**self.generation_defaults.sampling_dict())  # a bad value fails now, named
+            logger.warning("Default sampling parameters have been overridden by the model's generation config "
+                           "(%s): %s; a request's own values still win. If this is not intended, start with "
+                           "--generation-config vllm",
+                           self.generation_defaults.source or "--override-generation-config",
+                           self.generation_defaults.sampling_dict())
         self.model_config.verify_tensor_parallel(config.tensor_parallel_size)  # before starting ranks
         max_len = config.max_model_len or self.model_config.max_position_embeddings
         if max_len > self.model_config.max_position_embeddings:
             raise ValueError(f"max_model_len ({max_len}) exceeds the model's context length "
                              f"({self.model_config.max_position_embeddings})")
         sched = config.scheduler or SchedulerConfig(max_num_batched_tokens=2048, max_model_len=max_len)
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_len:
+            # a whole prompt runs in one step: the budget holds the longest (vLLM does the same)
+            logger.info("chunked prefill off: max_num_batched_tokens %d -> max_model_len %d",
+                        sched.max_num_batched_tokens, max_len)
+            sched = replace(sched, max_num_batched_tokens=max_len)
         async_scheduling = sched.async_scheduling
         if async_scheduling is None:  # on where the host's work can hide behind the GPU's
             async_scheduling = config.torch_device().type == "cuda" and config.tensor_parallel_size == 1
@@ -94,7 +111,10 @@ class LLMEngine:
         self.config = config = replace(config, max_model_len=max_len, scheduler=replace(
             sched, max_model_len=max_len, async_scheduling=async_scheduling))
         self.device, self.dtype = config.torch_device(), config.torch_dtype()
-        self.tokenizer = load_tokenizer(self.source)
+        self.tokenizer = load_tokenizer(self.source, config.tokenizer, config.tokenizer_revision or config.revision,
+                                        config.download_dir)
+        if config.chat_template is not None:
+            self.tokenizer.chat_template = load_chat_template(config.chat_template)
         self.executor = Executor(config)  # every rank loads its shard of the weights
         logger.info("weights loaded: %s (%s, %s) in %.1f s", self.source.name, self.dtype, self.device,
                     time.perf_counter() - t0)
@@ -116,7 +136,10 @@ class LLMEngine:
         self.eos_token_id = self.tokenizer.eos_token_id
         if self.eos_token_id is None and self.model_config.eos_token_ids:
             self.eos_token_id = self.model_config.eos_token_ids[0]
-        self.extra_eos_ids = [t for t in self.model_config.eos_token_ids if t != self.eos_token_id]
+        # config.json's and generation_config.json's EOS ids (Qwen3, Llama 3 list several) end a request too
+        self.extra_eos_ids = [t for t in dict.fromkeys((*self.model_config.eos_token_ids,
+                                                        *self.generation_defaults.eos_token_ids))
+                              if t != self.eos_token_id]
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         # Everything alive now (modules, graphs, the model, the block pool) leaves the garbage
@@ -177,6 +200,11 @@ class LLMEngine:
         for child in parent.children:
             self.scheduler.add_request(child.request)
         return request_id
+
+    def default_sampling_params(self) -> dict:
+        """SamplingParams fields from the model's generation config (--generation-config): what a
+        request gets for the fields it does not set (vLLM's get_diff_sampling_param)."""
+        return self.generation_defaults.sampling_dict()
 
     def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:

@@ -17,6 +17,7 @@ from compilelm.config import EngineConfig
 from compilelm.distributed.parallel_state import destroy_distributed, init_distributed
 from compilelm.models.loader import build_model, load_model_config, resolve_model
 from compilelm.models.registry import get_model_class
+from compilelm.ops.device_check import check_cuda_device
 from compilelm.runtime import memory
 from compilelm.runtime.model_runner import ModelRunner, StepInputs
 
@@ -30,6 +31,7 @@ class Worker:
         self.device = config.torch_device()
         if tp > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", rank)
+        check_cuda_device(self.device)  # a GPU this build has no kernels for fails here, named
         if tp > 1 and self.device.type == "cpu":  # ranks share the cores
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // tp))
         compilation = config.compilation
@@ -37,7 +39,7 @@ class Worker:
             compilation = dataclasses.replace(compilation, dump_dir=os.path.join(compilation.dump_dir, f"rank{rank}"))
         self.config = dataclasses.replace(config, compilation=compilation)
         init_distributed(rank, tp, init_method, self.device, config.custom_all_reduce_min_bytes)
-        self.source = resolve_model(config.model)
+        self.source = resolve_model(config.model, config.revision, config.download_dir)
         self.model_config = load_model_config(self.source, dict(config.model_overrides))
         self.dtype = config.torch_dtype()
         torch.manual_seed(config.seed)

@@ -21,9 +21,11 @@ import time
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from compilelm.entrypoints.openai.errors import OpenAIError, install_error_handlers, unavailable
+from compilelm.entrypoints.openai.ignored_fields import report_ignored
 from compilelm.entrypoints.openai.metrics import CONTENT_TYPE
 from compilelm.entrypoints.openai.middleware import AuthMiddleware, BodyLimitMiddleware
 from compilelm.entrypoints.openai.protocol import (
@@ -45,6 +47,7 @@ from compilelm.entrypoints.openai.protocol import (
 from compilelm.entrypoints.openai.serving_chat import OpenAIServingChat
 from compilelm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from compilelm.entrypoints.openai.serving_engine import ServerState
+from compilelm.entrypoints.openai.stats_logger import StatsLogger
 from compilelm.entrypoints.openai.tokenizer_info import tokenizer_info
 
 logger = logging.getLogger("compilelm")
@@ -58,9 +61,12 @@ def _json_or_sse(model) -> dict:
 
 
 def build_app(state: ServerState, api_keys: list[str] | None = None, guard_metrics: bool = False,
-              max_body_bytes: int = 8 * 2**20) -> FastAPI:
+              max_body_bytes: int = 8 * 2**20, cors: dict | None = None) -> FastAPI:
     """With `api_keys`, every route needs one but /health and /metrics (as in vLLM, whose
-    Prometheus scrapes carry no key); `guard_metrics` puts /metrics behind the key too."""
+    Prometheus scrapes carry no key); `guard_metrics` puts /metrics behind the key too. `cors`:
+    CORSMiddleware's allow_origins / allow_methods / allow_headers / allow_credentials (default,
+    as vLLM's: every origin, method and header, no credentials); it wraps everything, so a
+    browser's preflight needs no key."""
     from compilelm import __version__
 
     app = FastAPI(title="compilelm OpenAI-compatible API", version=__version__)
@@ -97,31 +103,35 @@ def build_app(state: ServerState, api_keys: list[str] | None = None, guard_metri
 
     @app.post("/v1/completions", responses=_json_or_sse(CompletionResponse))
     async def create_completion(body: CompletionRequest, raw: Request):
+        headers = report_ignored(body)
         job = completion.prepare(body)
         if body.stream:
-            return _sse(completion.stream(body, job))
+            return _sse(completion.stream(body, job), headers)
         resp = await _until_disconnect(raw, completion.complete(body, job))
-        return resp if isinstance(resp, Response) else JSONResponse(resp.model_dump())
+        return resp if isinstance(resp, Response) else JSONResponse(resp.model_dump(), headers=headers)
 
     @app.post("/v1/chat/completions", responses=_json_or_sse(ChatCompletionResponse))
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
+        headers = report_ignored(body)
         request_id, ids, stream = chat.prepare(body)
         if body.stream:
-            return _sse(chat.stream(body, request_id, ids, stream))
+            return _sse(chat.stream(body, request_id, ids, stream), headers)
         resp = await _until_disconnect(raw, chat.complete(body, request_id, ids, stream))
-        return resp if isinstance(resp, Response) else JSONResponse(resp.model_dump())
+        return resp if isinstance(resp, Response) else JSONResponse(resp.model_dump(), headers=headers)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest):
+        headers = report_ignored(body)
         completion.check_model(body.model)
         tok = completion.engine.tokenizer
         if isinstance(body, TokenizeChatRequest):
-            ids = chat.render(body.messages, body.add_generation_prompt, body.continue_final_message)
+            ids = chat.render(body.messages, body.add_generation_prompt, body.continue_final_message,
+                              body.chat_template_kwargs)
         else:
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
-        return TokenizeResponse(count=len(ids), max_model_len=completion.engine.config.max_model_len,
-                                tokens=ids, token_strs=strs)
+        return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=completion.engine.config.max_model_len,
+                                             tokens=ids, token_strs=strs).model_dump(), headers=headers)
 
     @app.get("/tokenizer_info", response_model=TokenizerInfoResponse, responses=_ERRORS)
     async def get_tokenizer_info():
@@ -141,12 +151,14 @@ def build_app(state: ServerState, api_keys: list[str] | None = None, guard_metri
     if api_keys:
         public = frozenset({"/health"} | (set() if guard_metrics else {"/metrics"}))
         wrapped = AuthMiddleware(wrapped, api_keys, public)
-    return wrapped
+    cors = {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers": ["*"], "allow_credentials": False,
+            **(cors or {})}
+    return CORSMiddleware(wrapped, **cors)
 
 
-def _sse(chunks) -> StreamingResponse:
+def _sse(chunks, headers: dict | None = None) -> StreamingResponse:
     return StreamingResponse(chunks, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
 
 
 async def _until_disconnect(raw: Request, coro):
@@ -220,10 +232,11 @@ class _Server(uvicorn.Server):
 
 
 def serve_http(app, state: ServerState, host: str, port: int, shutdown_timeout: float,
-               log_level: str = "info") -> int:
+               log_level: str = "info", access_log: bool = True, log_stats: bool = True) -> int:
     """Serve until drained or the engine dies; returns the exit status (1: the engine died).
-    Raises the engine's load error if the model failed to load."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+    Raises the engine's load error if the model failed to load. `access_log`: uvicorn's line per
+    HTTP request; `log_stats`: the periodic stats line (stats_logger.py)."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_graceful_shutdown=5, timeout_keep_alive=5,
                             h11_max_incomplete_event_size=64 * 1024)  # bounds header memory
     server = _Server(config, state, shutdown_timeout)
@@ -242,10 +255,13 @@ def serve_http(app, state: ServerState, host: str, port: int, shutdown_timeout: 
         logger.info("Starting compilelm API server on %s (loading the model; /health is 503 "
                     "until ready)", url)
         ready = asyncio.ensure_future(announce_ready())
+        stats = asyncio.ensure_future(StatsLogger(lambda: engine.stats).run()) if log_stats else None
         try:
             await server.serve()
         finally:
             ready.cancel()
+            if stats is not None:
+                stats.cancel()
 
     try:
         asyncio.run(main())

@@ -1,4 +1,9 @@
-"""Prometheus metrics under vLLM's names with a `compilelm:` prefix, on a registry per server.
+"""Prometheus metrics under vLLM's names, on a registry per server: each series as
+`compilelm:<name>` and again as `vllm:<name>` (the same values, plus vLLM's `engine="0"` label), so
+dashboards and alerts written for vLLM work unchanged; `vllm:time_per_output_token_seconds` and
+`vllm:gpu_cache_usage_perc`, the names older vLLM dashboards query, are there too (vLLM still
+exports them, deprecated). Metrics vLLM has no name for (`compilelm:request_rejections`) stay
+under `compilelm:` only.
 
 Gauges and engine-wide counters (running/waiting, KV-cache usage, prefix cache, preemptions,
 token totals) are read from the engine's stats snapshot at scrape time, so they can never drift
@@ -12,7 +17,8 @@ import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.samples import Sample
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -50,6 +56,45 @@ class _EngineStatsCollector:
             yield c
 
 
+# compilelm family -> the vLLM families it is also exported as
+VLLM_NAMES = {
+    "num_requests_running": ("num_requests_running",),
+    "num_requests_waiting": ("num_requests_waiting",),
+    "kv_cache_usage_perc": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+    "prefix_cache_queries": ("prefix_cache_queries",),
+    "prefix_cache_hits": ("prefix_cache_hits",),
+    "num_preemptions": ("num_preemptions",),
+    "prompt_tokens": ("prompt_tokens",),
+    "generation_tokens": ("generation_tokens",),
+    "request_success": ("request_success",),
+    "time_to_first_token_seconds": ("time_to_first_token_seconds",),
+    "inter_token_latency_seconds": ("inter_token_latency_seconds", "time_per_output_token_seconds"),
+    "e2e_request_latency_seconds": ("e2e_request_latency_seconds",),
+    "request_queue_time_seconds": ("request_queue_time_seconds",),
+    "request_prompt_tokens": ("request_prompt_tokens",),
+    "request_generation_tokens": ("request_generation_tokens",),
+}
+
+
+class _WithVllmNames:
+    """Collects `own` (the compilelm: registry) and yields every family as it is, then, for the
+    families in VLLM_NAMES, a copy under each vLLM name with the label `engine="0"` added."""
+
+    def __init__(self, own: CollectorRegistry):
+        self.own = own
+
+    def collect(self):
+        for family in self.own.collect():
+            yield family
+            for vllm_name in VLLM_NAMES.get(family.name.removeprefix("compilelm:"), ()):
+                copy = Metric(f"vllm:{vllm_name}", family.documentation, family.type, family.unit)
+                for sample in family.samples:
+                    suffix = sample.name[len(family.name):]
+                    copy.samples.append(Sample(copy.name + suffix, {**sample.labels, "engine": "0"},
+                                               sample.value, sample.timestamp, sample.exemplar))
+                yield copy
+
+
 @dataclass
 class _Timing:
     """One request's timestamps (time.monotonic), kept from the engine thread."""
@@ -67,14 +112,16 @@ class ServerMetrics:
     AsyncLLMEngine's thread; `count_rejection` by the HTTP side."""
 
     def __init__(self, model_name: str, stats_fn):
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineStatsCollector(stats_fn, model_name))
+        own = CollectorRegistry(auto_describe=True)  # the compilelm: families
+        own.register(_EngineStatsCollector(stats_fn, model_name))
+        self.registry = CollectorRegistry(auto_describe=False)  # what /metrics renders
+        self.registry.register(_WithVllmNames(own))
         labels = ["model_name"]
         self.model_name = model_name
 
         def hist(name, doc, buckets):
             return Histogram(f"compilelm:{name}", doc, labels, buckets=buckets,
-                             registry=self.registry).labels(model_name)
+                             registry=own).labels(model_name)
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between output tokens.", _LATENCY_BUCKETS)
@@ -86,9 +133,9 @@ class ServerMetrics:
         self.generation_tokens = hist("request_generation_tokens", "Generated tokens per request.",
                                       _TOKEN_BUCKETS)
         self._success = Counter("compilelm:request_success", "Finished requests by finish reason.",
-                                labels + ["finished_reason"], registry=self.registry)
+                                labels + ["finished_reason"], registry=own)
         self._rejected = Counter("compilelm:request_rejections", "Requests refused before the engine.",
-                                 labels + ["reason"], registry=self.registry)
+                                 labels + ["reason"], registry=own)
         self._timings: dict[str, _Timing] = {}
 
     # -- hooks (engine thread) -----------------------------------------------------------------

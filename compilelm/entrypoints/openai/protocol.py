@@ -1,10 +1,11 @@
 """Request and response models of the OpenAI-compatible API (OpenAI's fields + vLLM's extras).
 
-Requests accept unknown fields (openai-python sends `extra_body` keys at the top level) but
-check every known field's type and range here, so the generated /openapi.json is exact and a
-bad value is a 400 before anything reaches the engine. Non-finite floats are refused, and so is
-every string that is not valid Unicode (JSON lets a body carry a lone surrogate, `"\\ud800"`,
-which no tokenizer or UTF-8 encoder takes): a 400 naming the field.
+Requests accept unknown fields (openai-python sends `extra_body` keys at the top level; they are
+reported by ignored_fields.py, as vLLM reports them) but check every known field's type and range
+here, so the generated /openapi.json is exact and a bad value is a 400 before anything reaches
+the engine. Non-finite floats are refused, and so is every string that is not valid Unicode (JSON
+lets a body carry a lone surrogate, `"\\ud800"`, which no tokenizer or UTF-8 encoder takes): a 400
+naming the field.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 MAX_N = 128  # choices per prompt (an unbounded n is a DoS: CVE-2026-34756)
 MAX_SEQS_PER_REQUEST = 256  # prompts x n of one HTTP request
@@ -60,6 +61,17 @@ class _SamplingRequest(OpenAIBaseModel):
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
                           Field(max_length=1024)] | None = None
     user: str | None = None
+    # vLLM's: lower runs earlier under --scheduling-policy priority, which compilelm does not have
+    # (FCFS only): 0 is accepted, anything else is refused as vLLM refuses it under FCFS
+    priority: int = Field(0, ge=0, le=0)
+
+    @field_validator("priority", mode="before")
+    @classmethod
+    def _no_priority_scheduling(cls, value):
+        if isinstance(value, int) and not isinstance(value, bool) and value != 0:
+            raise ValueError(f"Got priority {value} but priority scheduling is not enabled (compilelm "
+                             "schedules first come, first served)")
+        return value
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -109,6 +121,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # extra variables for the chat template (e.g. {"enable_thinking": false} for Qwen3)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check(self):
@@ -131,6 +145,7 @@ class TokenizeChatRequest(OpenAIBaseModel):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 

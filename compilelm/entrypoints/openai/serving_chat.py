@@ -33,10 +33,20 @@ from compilelm.entrypoints.openai.serving_engine import (
 from compilelm.models.tokenizer import apply_chat_template
 from compilelm.runtime.async_engine import RequestStream
 
+# template variables a request sets through its own fields, or the server alone
+_RESERVED_TEMPLATE_VARS = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                     "continue_final_message", "chat_template", "tokenize"})
+
 
 class OpenAIServingChat(OpenAIServing):
-    def render(self, messages, add_generation_prompt: bool, continue_final_message: bool) -> list[int]:
-        """Messages -> prompt token ids through the model's (sandboxed) chat template."""
+    def render(self, messages, add_generation_prompt: bool, continue_final_message: bool,
+               template_kwargs: dict | None = None) -> list[int]:
+        """Messages -> prompt token ids through the model's (sandboxed) chat template;
+        `template_kwargs` (the request's chat_template_kwargs) are variables of the template."""
+        reserved = sorted(set(template_kwargs or ()) & _RESERVED_TEMPLATE_VARS)
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)} (request fields or "
+                              "fixed by the server)", param="chat_template_kwargs")
         conversation = []
         for i, m in enumerate(messages):
             content = m.content
@@ -52,7 +62,9 @@ class OpenAIServingChat(OpenAIServing):
             if m.name is not None:
                 msg["name"] = m.name
             conversation.append(msg)
-        kwargs = {"continue_final_message": True} if continue_final_message else {}
+        kwargs = dict(template_kwargs or {})
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
         try:
             return apply_chat_template(self.engine.tokenizer, conversation,
                                        add_generation_prompt=add_generation_prompt, **kwargs)
@@ -65,7 +77,8 @@ class OpenAIServingChat(OpenAIServing):
         if req.tools and req.tool_choice != "none":
             raise bad_request("tool calling is not supported", param="tools")
         self.admit(req.n)
-        ids = self.render(req.messages, req.add_generation_prompt, req.continue_final_message)
+        ids = self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
+                          req.chat_template_kwargs)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         max_tokens = self.check_prompt(ids, max_tokens, param="messages")

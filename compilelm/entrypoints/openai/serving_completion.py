@@ -62,7 +62,7 @@ class OpenAIServingCompletion(OpenAIServing):
             params = self.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs=echo_logprobs)
             prepared.append((text, ids, params))
         request_id = random_id("cmpl")
-        streams = self.start_many(request_id, [(ids, p) for _, ids, p in prepared])
+        streams = self.start_many(request_id, prepared)
         return _Job(request_id, prepared, streams)
 
     def _echo_text(self, text: str | None, ids: list[int]) -> str:

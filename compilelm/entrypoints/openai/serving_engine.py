@@ -37,6 +37,7 @@ class ServerState:
     served_model_names: list[str]
     metrics: object | None = None  # ServerMetrics
     draining: bool = False
+    request_logger: object | None = None  # RequestLogger (--enable-log-requests)
 
 
 def random_id(prefix: str) -> str:
@@ -112,6 +113,11 @@ class OpenAIServing:
         return max_tokens if max_tokens is not None else max_len - n_prompt
 
     def sampling_params(self, req, max_tokens: int, logprobs: int | None, **extra) -> SamplingParams:
+        """The request's fields; those it leaves unset come from the model's generation config
+        (--generation-config), whose max_new_tokens also caps max_tokens (as in vLLM)."""
+        defaults = self.engine.default_sampling_params()
+        if defaults.get("max_tokens") is not None:
+            max_tokens = min(max_tokens, defaults["max_tokens"])
         kw = dict(n=req.n, max_tokens=max_tokens, logprobs=logprobs, seed=req.seed,
                   stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                   min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
@@ -120,6 +126,8 @@ class OpenAIServing:
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             value = getattr(req, name)
+            if value is None:
+                value = defaults.get(name)
             if value is not None:
                 kw[name] = value
         if req.logit_bias:
@@ -153,9 +161,12 @@ class OpenAIServing:
             return bad_request(str(e))
         return internal_error(f"internal server error: {type(e).__name__}")
 
-    def start(self, request_id: str, token_ids: list[int], params: SamplingParams) -> RequestStream:
+    def start(self, request_id: str, token_ids: list[int], params: SamplingParams,
+              prompt: str | None = None) -> RequestStream:
         """Enqueue one engine request of a request that `admit` took (a dead engine's 500 is
         raised here, before any response bytes are sent)."""
+        if self.state.request_logger is not None:
+            self.state.request_logger.log_inputs(request_id, prompt, token_ids, params)
         try:
             return self.state.async_engine.generate(request_id, token_ids, params, admitted=True)
         except Exception as e:  # noqa: BLE001 - mapped to a status, never a crash
@@ -184,13 +195,13 @@ class OpenAIServing:
         finally:
             stream.close()
 
-    def start_many(self, request_id: str, prompts: list[tuple[list[int], SamplingParams]],
+    def start_many(self, request_id: str, prompts: list[tuple[str | None, list[int], SamplingParams]],
                    ) -> list[RequestStream]:
         streams = []
         try:
-            for i, (ids, params) in enumerate(prompts):
+            for i, (text, ids, params) in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(self.start(rid, ids, params))
+                streams.append(self.start(rid, ids, params, text))
         except BaseException:
             for s in streams:
                 s.close()
