@@ -67,6 +67,11 @@ def test_config_file_errors_name_the_flag(tmp_path):
         assert r.returncode == 2 and "--config" in r.stderr and words in r.stderr, r.stderr
 
 
+def test_override_generation_config_keys_are_checked():
+    r = _cli("generate", "hi", "--model", "dummy:smollm2-135m", "--override-generation-config", '{"beams": 2}')
+    assert r.returncode == 2 and "--override-generation-config: unknown key(s) beams" in r.stderr, r.stderr
+
+
 def test_dotted_compilation_overrides():
     from compilelm.entrypoints.engine_args import engine_config_from_args
 

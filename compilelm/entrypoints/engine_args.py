@@ -18,7 +18,8 @@ logger = logging.getLogger("compilelm")
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = True) -> None:
     if model_positional:
         parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                            help="HF directory, .gguf file, or dummy:<preset> (default: SmolLM2-135M-Instruct)")
+                            help="HF directory, Hugging Face repo id, .gguf file, or dummy:<preset> "
+                                 "(default: SmolLM2-135M-Instruct)")
     parser.add_argument("--model", default=None, help="same as the positional MODEL")
     parser.add_argument("--config", metavar="FILE.yaml", default=None,
                         help="flags from a YAML file (`max-model-len: 4096`); the command line's win")
@@ -131,6 +132,7 @@ def _json_object(flag: str, text: str | None) -> dict:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from compilelm.llm import make_engine_config
+    from compilelm.models.generation_config import SAMPLING_KEYS
     from compilelm.models.tokenizer import load_chat_template
 
     warn_inapplicable(args)
@@ -145,6 +147,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             raise ArgError(f"--generation-config: no generation_config.json in {args.generation_config} "
                            "(auto | vllm | a folder holding one)")
     override = _json_object("--override-generation-config", args.override_generation_config)
+    unknown = sorted(set(override) - set(SAMPLING_KEYS))
+    if unknown:
+        raise ArgError(f"--override-generation-config: unknown key(s) {', '.join(unknown)}; known: "
+                       f"{', '.join(SAMPLING_KEYS)}")
     kw = dict(revision=args.revision, download_dir=args.download_dir, tokenizer=args.tokenizer,
               tokenizer_revision=args.tokenizer_revision, chat_template=args.chat_template,
               generation_config=args.generation_config, override_generation_config=tuple(override.items()),

@@ -24,14 +24,14 @@ from compilelm.models.loader import ModelSource
 
 FILE = "generation_config.json"
 # generation_config key -> SamplingParams field
-_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 _HF_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
 
 
 @dataclass(frozen=True)
 class GenerationDefaults:
-    sampling: tuple[tuple[str, Any], ...] = ()  # (SamplingParams field, value), in _SAMPLING_KEYS order
+    sampling: tuple[tuple[str, Any], ...] = ()  # (SamplingParams field, value), in SAMPLING_KEYS order
     eos_token_ids: tuple[int, ...] = ()
     source: str | None = None  # the file they came from
 
@@ -64,12 +64,12 @@ def load_generation_defaults(source: ModelSource, mode: str = "auto",
             raise FileNotFoundError(f"generation_config: no {FILE} in {folder} (auto | vllm | a folder holding one)")
     config = read_generation_config(folder) if folder else {}
     sampling = {} if mode == "vllm" else {k: v for k, v in config.items()
-                                          if k in _SAMPLING_KEYS and v is not None and _HF_DEFAULTS.get(k) != v}
+                                          if k in SAMPLING_KEYS and v is not None and _HF_DEFAULTS.get(k) != v}
     for key, value in (overrides or {}).items():
-        if key not in _SAMPLING_KEYS:
-            raise ValueError(f"override_generation_config: unknown key {key!r}; known: {', '.join(_SAMPLING_KEYS)}")
+        if key not in SAMPLING_KEYS:
+            raise ValueError(f"override_generation_config: unknown key {key!r}; known: {', '.join(SAMPLING_KEYS)}")
         sampling[key] = value
     eos = config.get("eos_token_id")
     eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(int(t) for t in eos)
-    return GenerationDefaults(tuple((_SAMPLING_KEYS[k], sampling[k]) for k in _SAMPLING_KEYS if k in sampling),
+    return GenerationDefaults(tuple((SAMPLING_KEYS[k], sampling[k]) for k in SAMPLING_KEYS if k in sampling),
                               eos, os.path.join(folder, FILE) if folder and config else None)
