@@ -6,9 +6,9 @@ Each (engine, model) runs in a process of its own (vLLM from `--vllm-site`, a fo
 offline `LLM.generate` with token-id prompts, `ignore_eos` and no detokenization:
 
 - start: process start -> the engine ready (imports, weights, compile, CUDA graphs);
-- decode ms/step at each batch x context: (t(long) - t(short)) / (long - short) for `batch` fresh
-  prompts of `context` tokens and `--decode-steps` (short, long) output tokens, greedy, so the
-  prefill cancels;
+- decode ms/step for each `--decode BATCHxCONTEXT` case (default batch 1 and 64 at context 1000,
+  1 and 16 at 16000): (t(long) - t(short)) / (long - short) for `batch` fresh prompts of `context`
+  tokens and `--decode-steps` (short, long) output tokens, greedy, so the prefill cancels;
 - prefill tok/s: `--prefill` batches of prompts (e.g. 16x2000), one output token, fresh prompts
   (no prefix-cache hits), best of `--repeat`;
 - offline throughput in output tok/s on two mixes: nano-vllm's (256 requests, prompt and output
@@ -114,13 +114,13 @@ def measure(engine_name: str, model: str, args, started: float) -> dict:
     vocab, seed = engine.vocab, iter(range(1000, 10**6))
     timed(engine, token_prompts(2, (8, 16), vocab, 0), [4, 4])  # warm-up (lazy init, first sizes)
     short, long_ = args.decode_steps
-    for batch in args.batches:
-        for context in args.contexts:
-            times = []
-            for steps in (short, long_):
-                prompts = token_prompts(batch, (context, context), vocab, next(seed))
-                times.append(timed(engine, prompts, [steps] * batch)[0])
-            out[f"decode_ms b{batch} c{context}"] = 1e3 * (times[1] - times[0]) / (long_ - short)
+    for spec in args.decode:
+        batch, context = map(int, spec.split("x"))
+        times = []
+        for steps in (short, long_):
+            prompts = token_prompts(batch, (context, context), vocab, next(seed))
+            times.append(timed(engine, prompts, [steps] * batch)[0])
+        out[f"decode_ms b{batch} c{context}"] = 1e3 * (times[1] - times[0]) / (long_ - short)
     for spec in args.prefill:
         n, length = map(int, spec.split("x"))
         best = min(timed(engine, token_prompts(n, (length, length), vocab, next(seed)), [1] * n)[0]
@@ -172,8 +172,8 @@ def parse(argv=None):
     ap.add_argument("--models", nargs="+", default=["dummy:qwen3-0.6b", "dummy:llama-3.2-1b", "dummy:llama-3.1-8b"])
     ap.add_argument("--vllm-site", default=os.environ.get("VLLM_SITE", "/tmp/vllm_site"),
                     help="vLLM's site-packages folder (build_vllm_site.sh); absent: compilelm alone")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[1000, 16000])
+    ap.add_argument("--decode", nargs="*", default=["1x1000", "64x1000", "1x16000", "16x16000"],
+                    metavar="BATCHxCONTEXT", help="decode cases")
     ap.add_argument("--decode-steps", type=int, nargs=2, default=[16, 80])
     ap.add_argument("--prefill", nargs="+", default=["16x2000", "4x8000"], help="NxLENGTH prompt batches")
     ap.add_argument("--repeat", type=int, default=2)

@@ -191,7 +191,7 @@ def test_vs_vllm_runs_compilelm_alone_where_vllm_is_absent(tmp_path):
     measured, the ratio column empty (never a made-up peer number)."""
     out = tmp_path / "bench_vs_vllm.json"
     payload = bench_vs_vllm.main(["--models", "dummy:smollm2-135m", "--layers", "2", "--small", "--enforce-eager",
-                                  "--batches", "1", "2", "--contexts", "16", "--decode-steps", "2", "6",
+                                  "--decode", "1x16", "2x16", "--decode-steps", "2", "6",
                                   "--prefill", "2x16", "--repeat", "1", "--max-model-len", "128",
                                   "--vllm-site", str(tmp_path / "no_vllm"), "--out", str(out)])
     (row,) = payload["rows"]
