@@ -46,7 +46,7 @@ from compilelm.layers.activation import SiluAndMul  # noqa: E402
 from compilelm.layers.layernorm import rms_norm  # noqa: E402
 from compilelm.ops import quant as _quant_ops  # noqa: F401
 from compilelm.passes import PassConfig, PassManager  # noqa: E402
-from compilelm.passes.config import parse_pass_spec  # noqa: E402
+from compilelm.passes.config import builtin_passes, parse_pass_spec  # noqa: E402
 
 HIDDEN, INTER, EPS = 576, 1536, 1e-5
 ops = torch.ops.compilelm
@@ -91,11 +91,7 @@ E2E_CASES = [  # (fusion, model, quantization, switch turned off)
 ]
 
 
-SWITCH_PASS = {"fuse_rope_attention": "RopeAttentionFusionPass", "fuse_norm_quant": "RMSNormQuantFusionPass",
-               "fuse_act_quant": "SiluMulQuantFusionPass", "unfuse_residual_addmm": "UnfuseResidualAddmmPass",
-               "route_linear": "RouteLinearPass", "fuse_norm_linear": "RMSNormLinearFusionPass",
-               "fuse_act_linear": "SiluMulLinearFusionPass", "fuse_qkv_rope": "QKVRopeFusionPass",
-               "fuse_norm_gemm": "NormGemmFusionPass"}
+SWITCH_PASS = {switch: path.rpartition(":")[2] for switch, path, _ in builtin_passes()}  # switch -> pass name
 
 
 def bench(fn, args, iters: int, device: torch.device, repeats: int = 5) -> float:

@@ -31,6 +31,7 @@ def pass_table(level: int | None = None, overrides_json: str | None = None,
 
     from compilelm.graphs import CompileConfig
     from compilelm.passes import PassConfig, PassManager
+    from compilelm.passes.config import builtin_passes
 
     given = json.loads(overrides_json) if overrides_json else {}
     given["custom_passes"] = [*given.get("custom_passes", []), *custom_passes]
@@ -38,11 +39,7 @@ def pass_table(level: int | None = None, overrides_json: str | None = None,
     everything = PassConfig(**{f.name: True for f in dataclasses.fields(PassConfig)})
     full = PassManager(everything, config.custom_passes)
     on = PassManager(config.passes, config.custom_passes) if config.level > 0 else None
-    switch_of = {}  # pass name -> the switch that removes it
-    for f in dataclasses.fields(PassConfig):
-        without = PassManager(dataclasses.replace(everything, **{f.name: False}), config.custom_passes)
-        for name in {p.name for p in full.passes} - {p.name for p in without.passes}:
-            switch_of[name] = f.name
+    switch_of = {path.rpartition(":")[2]: switch for switch, path, _ in builtin_passes()}  # pass name -> switch
     rows = []
     stages = (("whole_graph", "whole_graph"), ("post_grad", "post_grad"), ("post_grad (tail)", "tail"))
     for stage, attr in stages:

@@ -103,9 +103,8 @@ def _prime_compiler() -> None:
     the same modules later (waiting for this import where it is still running) and redoes
     whatever fails here, raising it there."""
     try:
+        import compilelm.graphs.compiler  # noqa: F401, I001  (first: it installs the lazy templates)
         from torch.utils._triton import triton_hash_with_backend  # functools.cache
-
-        import compilelm.graphs.compiler  # noqa: F401
 
         triton_hash_with_backend()
     except Exception:  # noqa: BLE001 (the main thread's own attempt reports it)
