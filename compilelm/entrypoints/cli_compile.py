@@ -107,8 +107,10 @@ def _print_summary(data: dict, dump_dir: str | None) -> None:
         out.write(_verify_line(verify))
     for step in (data.get("profile") or {}).get("steps", []):
         top = ", ".join(f"{f['family']} {f['ms']:.2f}" for f in step["families"][:4])
-        out.write(f"profile {step['name']} {step['seqs']}x{step['context']}: {step['step_ms']:.2f} ms profiled "
-                  f"({step['measured_ms']:.2f} ms without the profiler); ms by family: {top}\n")
+        how = ("one CUDA graph replay" if step.get("cuda_graph") is True
+               else f"{step['step_ms']:.2f} ms profiled, op by op")
+        out.write(f"profile {step['name']} {step['seqs']}x{step['context']}: {step['measured_ms']:.2f} ms ({how}); "
+                  f"families sum to {step['sum_ms']:.2f} ms; ms by family: {top}\n")
     if dump_dir:
         out.write(f"dump written to {dump_dir} (report.html, report.md, report.json)\n")
         out.write(f"torch trace (TORCH_TRACE) in {dump_dir}/trace: {data['tlparse']}\n")

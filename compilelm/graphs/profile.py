@@ -6,10 +6,15 @@ torch profiler and say where the time went (profile_attribution.py), per step:
 
 A step is what the engine runs for that batch: the compiled forward, with each layer's attention
 between the pieces reading this step's paged KV cache, then the LM head on the rows sampled.
-Inputs are random token ids; the KV cache (zeros, with room for the context) is made here. The
-pieces run as compiled, without CUDA graphs: on a GPU the launch gaps are what CUDA graphs would
-take away. Before the profiled run, the step runs `warmup` times and is timed `repeat` times
-without the profiler (the median is reported next to the profiled step).
+Inputs are random token ids; the KV cache (zeros, with room for the context) is made here.
+
+On the CPU the step runs op by op. On a GPU it is measured as served: captured as one CUDA graph
+and replayed (`measured_ms`, median of `repeat` replays without the profiler, next to `eager_ms`
+for the op-by-op run). The profiler cannot see pieces inside a replay, so the step is profiled
+twice: op by op (`<step>.eager.trace.json`, which names each kernel's piece, FX nodes and family)
+and replayed (`<step>.trace.json`, whose kernel times the tables report; profile_attribution.replay
+aligns the two). A step that cannot be captured is reported op by op, with the reason in
+`cuda_graph`.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 
 from compilelm.distributed.parallel_state import get_tp_size, kv_heads_per_rank
 from compilelm.forward_context import AttentionMetadata, ForwardContext, set_forward_context
-from compilelm.graphs.profile_attribution import LM_HEAD, PIECE, STEP, attribute, summarize
+from compilelm.graphs.profile_attribution import LM_HEAD, PIECE, STEP, attribute, replay, summarize
 
 # The profile needs Inductor's CPU kernels to show in the profiler (CUDA kernels always do).
 PROFILE_PATCHES = {"cpp.enable_kernel_profile": True}
@@ -63,29 +68,62 @@ def profile_model(cm, specs: list[StepSpec], block_size: int, out_dir: str, warm
         tables = {name.rsplit("-", 1)[0]: kernels.get(name.replace("-dyn", f"-{tokens}"), k)
                   for name, k in kernels.items() if name.endswith("-dyn")}
         run = _make_step(cm, spec, block_size)
-        for _ in range(warmup):
-            run()
-        times = []
-        for _ in range(repeat):
-            t = time.perf_counter()
-            run()
-            times.append((time.perf_counter() - t) * 1000)
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if _device(cm.model).type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with _annotated_pieces(cm), torch.profiler.profile(activities=activities) as prof:
-            with torch.profiler.record_function(STEP):
-                run()
-        trace_file = os.path.join(out_dir, f"{spec.name}.trace.json")
-        prof.export_chrome_trace(trace_file)
-        with open(trace_file) as f:
-            result = summarize(attribute(json.load(f), tables))
-        steps.append({**asdict(spec), **result, "measured_ms": statistics.median(times), "repeat": repeat,
+        cuda = _device(cm.model).type == "cuda"
+        eager_ms = _median_ms(run, warmup, repeat)
+        trace_file = os.path.join(out_dir, f"{spec.name}.eager.trace.json" if cuda else f"{spec.name}.trace.json")
+        result = attribute(_profiled(cm, run, trace_file), tables)
+        measured_ms, graph = eager_ms, _as_cuda_graph(run) if cuda else None
+        if callable(graph):  # the step as served: one graph replay; the eager run names the kernels
+            measured_ms = _median_ms(graph, warmup, repeat)
+            trace_file = os.path.join(out_dir, f"{spec.name}.trace.json")
+            result = replay(result, _profiled(cm, graph, trace_file), step_us=measured_ms * 1000)
+        steps.append({**asdict(spec), **summarize(result), "measured_ms": measured_ms, "eager_ms": eager_ms,
+                      "cuda_graph": graph if isinstance(graph, str) else graph is not None, "repeat": repeat,
                       "trace": os.path.relpath(trace_file, os.path.dirname(out_dir))})
     data = {"steps": steps, "device": str(_device(cm.model))}
     with open(os.path.join(out_dir, "profile.json"), "w") as f:
         json.dump(data, f, indent=1)
     return data
+
+
+def _median_ms(run, warmup: int, repeat: int) -> float:
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - t) * 1000)
+    return statistics.median(times)
+
+
+def _profiled(cm, run, trace_file: str) -> dict:
+    """The chrome trace of one run of `run` under the torch profiler, pieces annotated."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if _device(cm.model).type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with _annotated_pieces(cm), torch.profiler.profile(activities=activities) as prof:
+        with torch.profiler.record_function(STEP):
+            run()
+    prof.export_chrome_trace(trace_file)
+    with open(trace_file) as f:
+        return json.load(f)
+
+
+def _as_cuda_graph(run):
+    """`run` captured as one CUDA graph: a function replaying it (synchronized), or why not (str)."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            run(sync_after=False)
+    except RuntimeError as e:  # e.g. a host sync inside the step
+        return f"not captured: {str(e).splitlines()[0]}"
+
+    def replay_step():
+        graph.replay()
+        torch.cuda.synchronize()
+
+    return replay_step
 
 
 def _device(model) -> torch.device:
@@ -115,12 +153,13 @@ def _make_step(cm, spec: StepSpec, block_size: int):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     @torch.inference_mode()
-    def run():
+    def run(sync_after: bool = True):
         with set_forward_context(ForwardContext(meta, kv)):
             hidden = cm.forward(ids, positions)
         with torch.profiler.record_function(LM_HEAD):
             model.compute_logits(hidden[last])
-        sync()
+        if sync_after:
+            sync()
 
     return run
 

@@ -47,14 +47,55 @@ def attribute(trace: dict, kernel_tables: dict[str, list[dict]]) -> dict:
     if device:  # every kernel that ran in the step counts; one no call launched is said so
         ran = [k for k in device if k["ts"] < t1 and k["ts"] + k["dur"] > t0]
         busy = [(max(k["ts"], t0), min(k["ts"] + k["dur"], t1)) for k in ran]
+        own = _exclusive(ran, t0, t1)
+        for c in calls:
+            c["us"] = sum(own.get(id(k), 0.0) for k in c["kernels"])
         mine = {id(k) for c in calls for k in c["kernels"]}
-        unattributed = sum(b - a for k, (a, b) in zip(ran, busy) if id(k) not in mine)
+        unattributed = sum(us for k, us in zip(ran, own.values()) if id(k) not in mine)
     else:
         busy = [(c["ts"], c["end"]) for c in calls]
     gaps = (t1 - t0) - _union(busy)
     _match(calls, kernel_tables)
     return {"device": "cuda" if device else "cpu", "step_us": t1 - t0, "gaps_us": gaps, "calls": calls,
             "unattributed_us": unattributed}
+
+
+def replay(eager: dict, trace: dict, step_us: float | None = None) -> dict:
+    """`eager` (attribute's result for a step run op by op) with its kernel times taken from
+    `trace`, the profile of the same step replayed as one CUDA graph: the replayed kernels are
+    aligned with the eager ones in launch order by name (difflib), each inheriting its eager call's
+    piece, FX nodes and family; a replayed kernel that aligns with none is a call of its own,
+    placed by name. `step_us`: the step's time measured without the profiler (whose per-kernel
+    records stretch a replay's gaps, not its kernels), else the profiled replay's; the launch gaps
+    are that time less the GPU's busy time."""
+    import difflib
+
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    step = max((e for e in events if e["name"] == STEP and e.get("cat") == "user_annotation"), key=lambda e: e["dur"])
+    t0, t1 = step["ts"], step["ts"] + step["dur"]
+    ran = sorted((e for e in events if e.get("cat") in _DEVICE and e["ts"] < t1 and e["ts"] + e["dur"] > t0),
+                 key=lambda e: e["ts"])
+    before = sorted(((k["ts"], k["name"], c) for c in eager["calls"] for k in c["kernels"]), key=lambda x: x[0])
+    calls = [{**c, "kernels": []} for c in eager["calls"]]
+    index = {id(c): i for i, c in enumerate(eager["calls"])}
+    matcher = difflib.SequenceMatcher(None, [n for _, n, _ in before], [k["name"] for k in ran], autojunk=False)
+    for tag, a0, a1, b0, b1 in matcher.get_opcodes():
+        if tag == "equal":
+            for (_, _, c), k in zip(before[a0:a1], ran[b0:b1]):
+                calls[index[id(c)]]["kernels"].append(k)
+            continue
+        for k in ran[b0:b1]:
+            calls.append({"name": k["name"], "ts": k["ts"], "end": k["ts"] + k["dur"], "kernels": [k], "piece": None,
+                          "piece_start": None, "site": None, "compiled_as": "(in the graph, not in the eager run)",
+                          "call": None, "nodes": [], "source": [], "family": family([k["name"]], [])})
+    calls = [c for c in calls if c["kernels"]]
+    own = _exclusive(ran, t0, t1)
+    for c in calls:
+        c["us"] = sum(own[id(k)] for k in c["kernels"])
+    step = step_us if step_us is not None else t1 - t0
+    busy = sum(own.values())
+    return {"device": "cuda", "step_us": step, "gaps_us": max(0.0, step - busy), "calls": calls,
+            "unattributed_us": 0.0, "profiled_us": t1 - t0, "busy_us": busy}
 
 
 def _calls(host: list[dict], launched: dict) -> list[dict]:
@@ -85,6 +126,18 @@ def _calls(host: list[dict], launched: dict) -> list[dict]:
     for c in calls:
         c["us"] = sum(k["dur"] for k in c["kernels"]) if launched else c["end"] - c["ts"]
     return calls
+
+
+def _exclusive(kernels: list[dict], t0: float, t1: float) -> dict[int, float]:
+    """id(kernel) -> its GPU time within [t0, t1) not overlapping an earlier-started kernel's
+    (with programmatic dependent launch a kernel starts while its predecessor runs and waits for
+    it: the overlap is the predecessor's). The values add up to the union of the kernels' spans."""
+    own, done = {}, t0
+    for k in sorted(kernels, key=lambda k: k["ts"]):
+        end = min(k["ts"] + k["dur"], t1)
+        own[id(k)] = max(0.0, end - max(k["ts"], done))
+        done = max(done, end)
+    return {id(k): own[id(k)] for k in kernels}
 
 
 def _union(spans: list[tuple[float, float]]) -> float:
@@ -162,6 +215,7 @@ def summarize(result: dict, top: int = 40) -> dict:
     total = sum(families.values())
     return {
         "device": result["device"], "step_ms": step / 1000, "sum_ms": total / 1000,
+        **{k.replace("_us", "_ms"): result[k] / 1000 for k in ("profiled_us", "busy_us") if k in result},
         "families": [{"family": f, "ms": us / 1000, "share": us / step if step else 0.0}
                      for f, us in sorted(families.items(), key=lambda kv: -kv[1])],
         "pieces": [{"piece": p, "ms": us / 1000, "sites": len(sites)}

@@ -9,7 +9,8 @@ import html
 from compilelm.graphs.report_html import section
 
 e = html.escape
-GAP_NOTE = {"cuda": "launch gaps: GPU idle within the step (the host launching; CUDA graphs remove most of it)",
+GAP_NOTE = {"cuda": "launch gaps: GPU idle within the step (between the graph's kernels, and the replay's launch "
+                    "and synchronization; op by op, the host launching each kernel)",
             "cpu": "launch gaps: host time between ops (Python, Inductor's wrapper code)"}
 
 
@@ -24,11 +25,17 @@ def _step(s: dict) -> str:
     sid = f"profile-{s['name']}"
     off = 100 * (s["sum_ms"] / s["step_ms"] - 1) if s["step_ms"] else 0.0
     vs = 100 * (s["step_ms"] / s["measured_ms"] - 1) if s["measured_ms"] else 0.0
-    head = (f"<h3 id='{sid}'>{e(s['name'])}: {s['seqs']} × {s['new_tokens']} new tokens at context {s['context']}"
-            f"</h3><p>profiled step <b>{s['step_ms']:.3f} ms</b>; the families below add up to {s['sum_ms']:.3f} ms "
-            f"({off:+.1f}%); the step without the profiler: {s['measured_ms']:.3f} ms (median of {s['repeat']}; "
-            f"the profiled one {vs:+.1f}%) · "
-            f"<a href='{e(s['trace'], quote=True)}'>{e(s['trace'])}</a></p>")
+    title = f"<h3 id='{sid}'>{e(s['name'])}: {s['seqs']} × {s['new_tokens']} new tokens at context {s['context']}</h3>"
+    link = f" · <a href='{e(s['trace'], quote=True)}'>{e(s['trace'])}</a></p>"
+    if s.get("cuda_graph") is True:  # kernel times from the profiled replay, the step from unprofiled ones
+        head = (f"{title}<p>step <b>{s['measured_ms']:.3f} ms</b>: one CUDA graph replay, median of {s['repeat']} "
+                f"without the profiler (op by op: {s['eager_ms']:.3f} ms); its kernels kept the GPU busy "
+                f"{s['busy_ms']:.3f} ms of it in the profiled replay; the families below add up to {s['sum_ms']:.3f} "
+                f"ms ({100 * (s['sum_ms'] / s['measured_ms'] - 1):+.1f}% of the step){link}")
+    else:
+        head = (f"{title}<p>profiled step <b>{s['step_ms']:.3f} ms</b>; the families below add up to "
+                f"{s['sum_ms']:.3f} ms ({off:+.1f}%); the step without the profiler: {s['measured_ms']:.3f} ms "
+                f"(median of {s['repeat']}; the profiled one {vs:+.1f}%){_how(s)}{link}")
     top = max((f["ms"] for f in s["families"]), default=1.0) or 1.0
     rows = "".join(f"<tr><td>{e(f['family'])}</td><td>{f['ms']:.3f}</td><td>{100 * f['share']:.1f}%</td>"
                    f"<td><div class='bar{' gap' if f['family'] == 'launch gaps' else ''}' "
@@ -37,6 +44,14 @@ def _step(s: dict) -> str:
                 f"</tr>{rows}<tr><th>sum</th><th>{s['sum_ms']:.3f}</th><th></th><th></th></tr></table>"
                 f"<p class='sub'>{e(GAP_NOTE.get(s['device'], ''))}</p>")
     return head + families + _chains(s, sid) + _pieces(s, sid) + _kernels(s, sid) + _sources(s, sid)
+
+
+def _how(s: dict) -> str:
+    if s.get("cuda_graph") is True:
+        return f", replayed as one CUDA graph; op by op it takes {s['eager_ms']:.3f} ms"
+    if isinstance(s.get("cuda_graph"), str):
+        return f", op by op (CUDA graph {s['cuda_graph']})"
+    return ""
 
 
 def _pieces(s: dict, sid: str) -> str:

@@ -6,7 +6,7 @@ import pytest
 
 from compilelm.entrypoints.cli import main as cli_main
 from compilelm.graphs.op_family import family
-from compilelm.graphs.profile_attribution import attribute, summarize
+from compilelm.graphs.profile_attribution import attribute, replay, summarize
 
 
 def _x(name, cat, ts, dur, tid=1, corr=None):
@@ -74,6 +74,58 @@ def test_cuda_trace_attributed_to_pieces_nodes_and_families():
     assert [c["calls"] for c in chains] == [[3, 4], [1]]
     assert chains[0]["launches"] == 2 and chains[0]["before"] == "GEMM (aten::mm)" and chains[0]["ms"] == 0.06
     assert chains[1]["after"] == "GEMM (aten::mm)" and chains[1]["families"] == ["norm"]
+
+
+def _replay_trace(gemm_name=GEMM):
+    """The same step replayed as one CUDA graph: one launch, the kernels back to back and shorter
+    (no host in between), plus a kernel the eager run did not launch."""
+    ev = [_x("compilelm.step", "user_annotation", 0, 400), _x("cudaGraphLaunch", "cuda_runtime", 5, 10, corr=50)]
+    names = ["triton_red_fused_add_mean_mul_pow_rsqrt_0", gemm_name, "triton_poi_fused_mul_silu_1",
+             "triton_poi_fused_add_2", "paged_attention_kernel", "Memcpy DtoD (Device -> Device)",
+             "ncclKernel_AllReduce"]
+    t = 20
+    for name, dur in zip(names, (30, 150, 20, 10, 90, 5, 30)):
+        ev.append(_x(name, "gpu_memcpy" if name.startswith("Memcpy") else "kernel", t, dur, tid=7, corr=50))
+        t += dur + 2
+    ev += [_x("triton_poi_fused_copy_9", "kernel", t, 8, tid=7, corr=50)]
+    return {"traceEvents": ev}
+
+
+def test_graph_replay_takes_the_eager_attribution_and_the_replay_times():
+    eager = attribute(_cuda_trace(), TABLE)
+    s = summarize(replay(eager, _replay_trace()))
+    assert s["step_ms"] == 0.4
+    fam = {f["family"]: f["ms"] * 1000 for f in s["families"]}
+    # the all-reduce ran unlaunched in the eager trace and aligns with nothing there: placed by its name
+    assert fam == pytest.approx({"norm": 30, "GEMM": 150, "elementwise": 30, "attention": 95, "copies": 8,
+                                 "collectives": 30, "launch gaps": 400 - (30 + 150 + 20 + 10 + 90 + 5 + 30 + 8)})
+    assert s["sum_ms"] == pytest.approx(s["step_ms"])
+    by_call = {(k["compiled_as"], k["call"]): k for k in s["kernels"]}
+    assert by_call[("submod_2", 2)]["us"] == 150 and by_call[("submod_2", 2)]["nodes"] == ["mm"]
+    assert by_call[("(in the graph, not in the eager run)", None)]["name"] in ("triton_poi_fused_copy_9",
+                                                                             "ncclKernel_AllReduce")
+    # measured without the profiler the step is shorter: the gaps shrink, the kernels keep their times
+    s3 = summarize(replay(eager, _replay_trace(), step_us=380))
+    assert s3["step_ms"] == 0.38 and s3["busy_ms"] == pytest.approx(0.343) and s3["profiled_ms"] == 0.4
+    assert {f["family"]: f["ms"] * 1000 for f in s3["families"]}["launch gaps"] == pytest.approx(380 - 343)
+    # a GEMM the capture chose differently aligns with nothing: still counted, by name
+    s2 = summarize(replay(eager, _replay_trace("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64")))
+    assert {f["family"]: f["ms"] * 1000 for f in s2["families"]}["GEMM"] == pytest.approx(150)
+    assert s2["sum_ms"] == pytest.approx(s2["step_ms"])
+
+
+def test_overlapping_kernels_count_once():
+    """With programmatic dependent launch a kernel starts while its predecessor runs (and waits
+    for it): the overlap counts for the predecessor, the families add up to the step."""
+    ev = [_x("compilelm.step", "user_annotation", 0, 500),
+          _x("compilelm.piece:submod_4:submod_2", "user_annotation", 10, 300)]
+    ev += _launch(20, 1, "triton_red_fused_add_mean_mul_pow_rsqrt_0", 100, 50)
+    ev += [_x("aten::mm", "cpu_op", 40, 20)] + _launch(45, 2, GEMM, 120, 230, "cudaLaunchKernel", "cuda_runtime")
+    ev += _launch(70, 3, "triton_poi_fused_mul_silu_1", 300, 60)  # starts under the GEMM
+    s = summarize(attribute({"traceEvents": ev}, TABLE))
+    fam = {f["family"]: f["ms"] * 1000 for f in s["families"]}
+    assert fam == pytest.approx({"norm": 50, "GEMM": 200, "elementwise": 10, "launch gaps": 500 - 260})
+    assert s["sum_ms"] == pytest.approx(s["step_ms"])
 
 
 def test_cpu_trace_counts_host_time_outside_ops_as_gaps():
