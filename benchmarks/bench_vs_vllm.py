@@ -53,7 +53,9 @@ def token_prompts(n: int, lengths: tuple[int, int], vocab: int, seed: int) -> li
 class CompilelmEngine:
     def __init__(self, model: str, args):
         from compilelm import LLM, SamplingParams
+        from compilelm.ops import prefill_attention
 
+        prefill_attention.set_enabled(args.prefill_kernel == "triton")
         self.sp = SamplingParams
         overrides = {"num_hidden_layers": args.layers} if args.layers else {}
         self.llm = LLM(model, max_model_len=args.max_model_len, model_overrides=overrides,
@@ -181,6 +183,8 @@ def parse(argv=None):
     ap.add_argument("--layers", type=int, default=None, help="cut every model to this many layers")
     ap.add_argument("--small", action="store_true", help="tiny mixes (CPU smoke test)")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--prefill-kernel", choices=("triton", "mma"), default="triton",
+                    help="compilelm's prefill attention: the Triton kernel, or paged_attention's mma.sync one (A/B)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default=None)
     return ap.parse_args(argv)

@@ -74,10 +74,12 @@ TORCH_LIBRARY(compilelm, m) {
   // seq_lens: int32 [num_seqs]; block_tables: int32 [num_seqs, max_blocks_per_seq].
   // Returns [num_tokens, num_heads, head_size]; causal over each sequence's cached context.
   // max_query_len: the longest query range of the batch where the caller knows it, else 0; 1
-  // promises a pure-decode batch (the CUDA kernels then skip their prefill pass).
+  // promises a pure-decode batch (the CUDA kernels then skip their prefill pass). prefill_rows=False
+  // leaves the rows of sequences with q_len > 1 unwritten on CUDA, for the caller's prefill kernel
+  // (compilelm/ops/prefill_attention.py); the CPU kernel writes every row either way.
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor cu_seqlens_q, "
-      "Tensor seq_lens, Tensor block_tables, float scale, int max_query_len=0) -> Tensor");
+      "Tensor seq_lens, Tensor block_tables, float scale, int max_query_len=0, bool prefill_rows=True) -> Tensor");
   // RoPE (neox style) of query and key at `positions`, after an optional per-head RMSNorm
   // (Qwen3's QK-norm: both weights [head_size] or neither), rotated key and value written to
   // their cache slots (as reshape_and_cache). query: [num_tokens, num_heads, head_size];

@@ -25,15 +25,16 @@ def paged_attention(
     block_tables: Tensor,  # int32 [num_seqs, max_blocks_per_seq]
     scale: float,
     max_query_len: int = 0,  # longest query range if known, else 0; 1 = pure decode (skips prefill work)
+    prefill_rows: bool = True,  # False (CUDA): rows of q_len > 1 sequences left for prefill_attention
 ) -> Tensor:  # [num_tokens, num_heads, head_size]; rows past cu[num_seqs] are zero
     return torch.ops.compilelm.paged_attention.default(
-        query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_query_len
+        query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_query_len, prefill_rows
     )
 
 
 @torch.library.register_fake("compilelm::paged_attention")
 def _paged_attention_fake(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                          max_query_len=0):
+                          max_query_len=0, prefill_rows=True):
     # The kernels return a fresh contiguous tensor shaped like the query (new_empty, unlike
     # empty_like, does not copy the strides of a query sliced out of a fused qkv tensor).
     return query.new_empty(query.shape)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from compilelm.forward_context import get_forward_context
+from compilelm.ops import prefill_attention as prefill
 from compilelm.ops.attention import paged_attention, reshape_and_cache, rope_paged_attention
 from compilelm.ops.library import define
 from compilelm.ops.rope import rope_and_cache
@@ -19,10 +20,17 @@ from compilelm.ops.rope import rope_and_cache
 
 def _attend(ctx, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.Tensor:
     """Paged attention of q [num_tokens, num_heads * head_dim] (rotated) over the caches, this
-    step's rows already in them -> [num_tokens, num_heads * head_dim]."""
+    step's rows already in them -> [num_tokens, num_heads * head_dim]. Where prefill_attention
+    serves the batch (CUDA, a step with prefill rows), it attends the prefill rows and
+    paged_attention the rest."""
     meta, n, head_dim = ctx.attn_metadata, q.shape[0], key_cache.shape[3]
-    out = paged_attention(q.view(n, -1, head_dim), key_cache, value_cache, meta.cu_seqlens_q, meta.seq_lens,
-                              meta.block_tables, head_dim ** -0.5, meta.max_query_len)
+    q = q.view(n, -1, head_dim)
+    split = prefill.serves(q, key_cache, meta.max_query_len)
+    out = paged_attention(q, key_cache, value_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                          head_dim ** -0.5, meta.max_query_len, prefill_rows=not split)
+    if split:
+        prefill.prefill_attention(out, q, key_cache, value_cache, meta.cu_seqlens_q, meta.seq_lens,
+                                  meta.block_tables, head_dim ** -0.5)
     return out.view(n, -1)
 
 
@@ -63,7 +71,8 @@ def _rope_and_attention(q, k, v, q_norm_weight, k_norm_weight, eps, positions, c
     meta = ctx.attn_metadata
     key_cache, value_cache = ctx.kv_caches[layer_name]
     n = q.shape[0]
-    if q_norm_weight is None:  # one op (on CUDA one kernel for a pure-decode batch)
+    if q_norm_weight is None and not prefill.serves(q.view(n, -1, head_dim), key_cache, meta.max_query_len):
+        # one op (on CUDA one kernel for a pure-decode batch)
         out = rope_paged_attention(positions, q.view(n, -1, head_dim), k.view(n, -1, head_dim),
                                        v.view(n, -1, head_dim), cos_sin_cache, key_cache, value_cache,
                                        meta.slot_mapping, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,

@@ -32,6 +32,7 @@ from compilelm.graphs.cudagraph.dispatch import CudaGraphDispatcher
 from compilelm.graphs.cudagraph.full import CUDAGraphRunner
 from compilelm.graphs.cudagraph.piecewise import PiecewiseGraphs
 from compilelm.graphs.step_inputs import HostBatch, InputBuffers
+from compilelm.ops import prefill_attention
 from compilelm.runtime.async_step import AsyncStepOutput
 from compilelm.runtime.memory import engine_graph_sizes, graph_memory_estimate
 from compilelm.runtime.sampler import SampledTensors, Sampler, SamplerOutput, gather_logprobs
@@ -87,6 +88,10 @@ class ModelRunner:
         self.logits_buffer = None  # [largest full graph, vocab], model dtype: the full graphs' output
         self.dispatcher = CudaGraphDispatcher()  # no graphs: every step eager
         if device.type == "cuda":
+            t0 = time.perf_counter()
+            prefill_attention.warm_up(*next(iter(self.kv_caches.values())),
+                                      mc.num_attention_heads // get_tp_size())
+            logger.info("prefill attention kernel ready in %.1f s", time.perf_counter() - t0)
             sched = config.scheduler
             full, piecewise = engine_graph_sizes(config)
             max_blocks = -(-config.max_model_len // self.block_size)

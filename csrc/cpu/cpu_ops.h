@@ -20,6 +20,7 @@ at::Tensor paged_attention(
     const at::Tensor& seq_lens,
     const at::Tensor& block_tables,
     double scale,
-    int64_t max_query_len);
+    int64_t max_query_len,
+    bool prefill_rows);  // ignored: every row is written
 
 }  // namespace compilelm::cpu

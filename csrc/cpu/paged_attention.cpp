@@ -241,7 +241,8 @@ at::Tensor paged_attention(
     const at::Tensor& seq_lens,
     const at::Tensor& block_tables,
     double scale,
-    int64_t max_query_len) {
+    int64_t max_query_len,
+    bool /*prefill_rows: every row is written*/) {
   TORCH_CHECK(query.device().is_cpu(), "query must be a CPU tensor, got ", query.device());
   TORCH_CHECK(max_query_len >= 0, "max_query_len must be >= 0 (0 = unknown), got ", max_query_len);
   check_paged_attention_args(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables);

@@ -27,7 +27,8 @@ at::Tensor paged_attention(
     const at::Tensor& seq_lens,
     const at::Tensor& block_tables,
     double scale,
-    int64_t max_query_len);
+    int64_t max_query_len,
+    bool prefill_rows);
 
 // rope_and_cache(...), then paged_attention(...) of the rotated query; in one kernel for a
 // pure-decode batch (max_query_len == 1) where launch_rope_paged_attention_decode covers it.
@@ -56,8 +57,9 @@ struct AttentionCall {  // paged_attention.cpp; params.out unset
 AttentionCall attention_call(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                              const at::Tensor& block_tables, double scale);
-// paged_attention's launch half: writes out (shaped like the call's query, on its device).
-void run_attention(AttentionCall& call, const at::Tensor& out, int64_t max_query_len);
+// paged_attention's launch half: writes out (shaped like the call's query, on its device); the
+// rows of sequences with q_len > 1 only if prefill_rows.
+void run_attention(AttentionCall& call, const at::Tensor& out, int64_t max_query_len, bool prefill_rows = true);
 
 struct RopeCacheCall {  // rope_and_cache.cpp; params.q_out unset
   RopeCacheParams params;

@@ -53,7 +53,9 @@ bool decode_mma_supported(at::ScalarType dtype, int head_size, int group);
 int64_t decode_mma_resident_programs(at::ScalarType dtype, int head_size);
 void launch_paged_attention_decode_mma(const AttentionParams& p, const SplitParams& s, at::ScalarType dtype,
                                        int64_t programs);
-void launch_paged_attention_prefill(const AttentionParams& p, const SplitParams& splits, const at::Tensor& query);
+// prefill_rows=false: the padding and merges only, the q_len > 1 rows left to the caller.
+void launch_paged_attention_prefill(const AttentionParams& p, const SplitParams& splits, const at::Tensor& query,
+                                    bool prefill_rows = true);
 
 // Copies key/value rows to their cache slots (see reshape_and_cache.cpp), in 16-byte units
 // when vectorized, else in elements.

@@ -3,6 +3,8 @@
 //   decode rows (q_len == 1)   paged_attention_decode.cu   CUDA cores, GQA-aware, split-K
 //   prefill rows (q_len > 1)   paged_attention_prefill.cu  tiled flash attention, tensor cores;
 //                                                          also merges the decode splits
+//                                                          (prefill_rows=False: only that; the
+//                                                          caller attends the prefill rows)
 //
 // Which rows are which lives in cu_seqlens_q on the device; reading it on the host would sync
 // and break CUDA-graph capture. So both kernels are launched over the whole batch and each
@@ -84,16 +86,20 @@ at::Tensor paged_attention(
     const at::Tensor& seq_lens,
     const at::Tensor& block_tables,
     double scale,
-    int64_t max_query_len) {
+    int64_t max_query_len,
+    bool prefill_rows) {
   TORCH_CHECK(max_query_len >= 0, "max_query_len must be >= 0 (0 = unknown), got ", max_query_len);
   AttentionCall call = attention_call(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale);
+  TORCH_CHECK(prefill_rows || prefill_supported(query.scalar_type(), call.params.head_size, call.params.group),
+              "paged_attention(prefill_rows=False) needs the tiled prefill kernel's shapes (bf16/fp16, head_size 64 "
+              "or 128), got ", query.scalar_type(), ", head_size ", query.size(2));
   const c10::cuda::CUDAGuard device_guard(query.device());
   at::Tensor out = at::empty(query.sizes(), query.options());
-  run_attention(call, out, max_query_len);
+  run_attention(call, out, max_query_len, prefill_rows);
   return out;
 }
 
-void run_attention(AttentionCall& call, const at::Tensor& out, int64_t max_query_len) {
+void run_attention(AttentionCall& call, const at::Tensor& out, int64_t max_query_len, bool prefill_rows) {
   AttentionParams& p = call.params;
   if (p.num_tokens == 0) return;
   if (p.num_seqs == 0) {  // every row is padding
@@ -105,7 +111,7 @@ void run_attention(AttentionCall& call, const at::Tensor& out, int64_t max_query
   at::Tensor workspace;  // split-K partials: alive until both kernels are enqueued
   if (max_query_len != 1 && prefill_supported(out.scalar_type(), p.head_size, p.group)) {  // (out: the query's dtype)
     const SplitParams splits = launch_paged_attention_decode(p, out, /*all_rows=*/false, call.max_context, workspace);
-    launch_paged_attention_prefill(p, splits, out);
+    launch_paged_attention_prefill(p, splits, out, prefill_rows);
   } else {
     launch_paged_attention_decode(p, out, /*all_rows=*/true, call.max_context, workspace);
   }
@@ -156,7 +162,8 @@ at::Tensor rope_paged_attention(
     return out;
   }
   const at::Tensor rotated = run_rope_and_cache(rope, query);
-  return paged_attention(rotated, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_query_len);
+  return paged_attention(rotated, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_query_len,
+                         /*prefill_rows=*/true);
 }
 
 }  // namespace compilelm::cuda

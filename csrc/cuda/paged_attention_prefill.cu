@@ -35,7 +35,8 @@ constexpr int smem_bytes() {
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kWarps * 32)
-    paged_attention_prefill_kernel(const AttentionParams p, const SplitParams splits, const int rows_per_tile) {
+    paged_attention_prefill_kernel(const AttentionParams p, const SplitParams splits, const int rows_per_tile,
+                                   const bool prefill_rows) {
   wait_for_prior_kernels();  // PDL (launch.cuh): before any read of earlier kernels' outputs
   allow_dependent_kernels();
   constexpr int kStride = D + kPad;
@@ -66,7 +67,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
   const int q_len = cu[seq + 1] - cu[seq];
   const int row0 = (tile - (cu[seq] / R + seq)) * R;  // first query row of the tile in its sequence
-  if (q_len <= 1 || row0 >= q_len) return;             // decode rows run in the decode kernel
+  if (q_len <= 1 || row0 >= q_len || !prefill_rows) return;  // decode rows: the decode kernel's
   const int row_end = min(row0 + R, q_len);
   const int context = p.seq_lens[seq] - q_len;         // cached positions before row 0
   const int num_keys = context + row_end;
@@ -201,7 +202,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 }
 
 template <typename T, int D>
-void launch(const AttentionParams& p, const SplitParams& splits) {
+void launch(const AttentionParams& p, const SplitParams& splits, bool prefill_rows) {
   const auto kernel = paged_attention_prefill_kernel<T, D>;
   static const bool configured = [&] {  // more than 48 KB of dynamic shared memory is opt-in
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<D>()));
@@ -212,13 +213,13 @@ void launch(const AttentionParams& p, const SplitParams& splits) {
   const int tiles = p.num_tokens / rows_per_tile + p.num_seqs + 1;
   const int merges = splits.num_splits > 1 ? p.num_seqs : 0;
   launch_kernel(kernel, dim3(tiles + merges, p.num_kv_heads), kWarps * 32, smem_bytes<D>(),
-                c10::cuda::getCurrentCUDAStream(), p, splits, rows_per_tile);
+                c10::cuda::getCurrentCUDAStream(), p, splits, rows_per_tile, prefill_rows);
 }
 
 template <typename T>
-void dispatch_head_size(const AttentionParams& p, const SplitParams& splits) {
-  if (p.head_size == 64) return launch<T, 64>(p, splits);
-  return launch<T, 128>(p, splits);
+void dispatch_head_size(const AttentionParams& p, const SplitParams& splits, bool prefill_rows) {
+  if (p.head_size == 64) return launch<T, 64>(p, splits, prefill_rows);
+  return launch<T, 128>(p, splits, prefill_rows);
 }
 
 }  // namespace
@@ -228,9 +229,10 @@ bool prefill_supported(at::ScalarType dtype, int head_size, int group) {
          group <= kBlockM;
 }
 
-void launch_paged_attention_prefill(const AttentionParams& p, const SplitParams& splits, const at::Tensor& query) {
-  if (query.scalar_type() == at::kBFloat16) return dispatch_head_size<__nv_bfloat16>(p, splits);
-  return dispatch_head_size<__half>(p, splits);
+void launch_paged_attention_prefill(const AttentionParams& p, const SplitParams& splits, const at::Tensor& query,
+                                    bool prefill_rows) {
+  if (query.scalar_type() == at::kBFloat16) return dispatch_head_size<__nv_bfloat16>(p, splits, prefill_rows);
+  return dispatch_head_size<__half>(p, splits, prefill_rows);
 }
 
 }  // namespace compilelm::cuda

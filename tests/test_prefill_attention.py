@@ -1,0 +1,84 @@
+"""The Triton prefill attention kernel (compilelm/ops/prefill_attention.py) run by Triton's CPU
+interpreter against the plain-torch reference: mixed batches of fresh prefills, chunks after a
+cached context, decode rows and padding, across GQA groups and tile shapes. The interpreter runs
+the kernel's own code (loads, dots, masks, the tile numbering); the GPU tier runs it compiled.
+
+Triton decides at import whether its jit functions (tl.zeros, tl.max, ...) are interpreted, so
+this file's tests run in a child pytest started with TRITON_INTERPRET=1."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from compilelm.ops.attention import paged_attention_ref
+
+triton = pytest.importorskip("triton", minversion="3.7", reason="Triton >= 3.7 (its interpreter works with numpy 2.4)")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+if not INTERPRETED:
+    def test_kernel_under_the_triton_interpreter():
+        child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                               env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+                               timeout=900)
+        assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
+        assert " passed" in child.stdout and " skipped" not in child.stdout, child.stdout[-2000:]
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    if not INTERPRETED:
+        pytest.skip("runs in the child started by test_kernel_under_the_triton_interpreter")
+    from compilelm.ops import prefill_attention
+    return prefill_attention
+
+
+def _batch(q_lens, contexts, heads, kv_heads, head_dim, page, dtype, padding=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [q + c for q, c in zip(q_lens, contexts)]
+    blocks = [-(-s // page) for s in seq_lens]
+    perm = torch.randperm(sum(blocks) + 4, generator=g) + 1  # shuffled pages; block 0 unused
+    tables = torch.zeros(len(q_lens), max(blocks) + 2, dtype=torch.int32)  # rows longer than needed
+    i = 0
+    for r, n in enumerate(blocks):
+        tables[r, :n] = perm[i:i + n]
+        i += n
+    num_blocks = int(perm.max()) + 1
+    kc = torch.randn(num_blocks, page, kv_heads, head_dim, generator=g).to(dtype)
+    vc = torch.randn(num_blocks, page, kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(sum(q_lens) + padding, heads, head_dim, generator=g).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    return q, kc, vc, cu, torch.tensor(seq_lens, dtype=torch.int32), tables
+
+
+CASES = [  # q_lens, contexts, heads, kv_heads, head_dim, page, config (BLOCK_M, BLOCK_N, warps, stages)
+    ([1, 37, 5, 1, 70], [30, 3, 0, 100, 18], 8, 2, 64, 16, (64, 16, 4, 1)),  # group 4: 16 rows a tile
+    ([33, 2, 1], [0, 40, 7], 4, 4, 32, 16, (32, 32, 4, 1)),  # no GQA; a tile crossing a sequence
+    ([50, 1, 19], [70, 12, 0], 8, 1, 16, 8, (64, 16, 4, 1)),  # group 8 (MQA-like), 8-token pages
+    ([64, 64], [0, 64], 4, 2, 64, 16, (32, 16, 4, 1)),  # tiles ending on page and tile boundaries
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16])  # the interpreter's bf16 dots are wrong; GPU tier: bf16
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_prefill_rows_match_the_reference_and_others_are_untouched(interpreted, case, dtype):
+    q_lens, contexts, heads, kv_heads, head_dim, page, config = case
+    q, kc, vc, cu, seq_lens, tables = _batch(q_lens, contexts, heads, kv_heads, head_dim, page, dtype)
+    out = torch.full_like(q, 7.0)
+    interpreted.prefill_attention(out, q, kc, vc, cu, seq_lens, tables, head_dim ** -0.5, config=config)
+    ref = paged_attention_ref(q, kc, vc, cu, seq_lens, tables, head_dim ** -0.5)
+    for i, q_len in enumerate(q_lens):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        if q_len > 1:
+            torch.testing.assert_close(out[rows].float(), ref[rows].float(), atol=2e-2, rtol=2e-2)
+        else:  # decode rows belong to paged_attention's decode kernel
+            assert (out[rows] == 7.0).all()
+    assert (out[int(cu[-1]):] == 7.0).all()  # padding rows too
+
+
+def test_serves_only_cuda_steps_with_prefill_rows(interpreted):
+    q, kc, *_ = _batch([4], [0], 4, 2, 64, 16, torch.bfloat16)
+    assert not interpreted.serves(q, kc, 0)  # CPU tensors: the C++ kernels serve
+    assert not interpreted.supported(q.float(), kc)
