@@ -59,8 +59,10 @@ class CompilelmEngine:
         self.sp = SamplingParams
         overrides = {"num_hidden_layers": args.layers} if args.layers else {}
         self.llm = LLM(model, max_model_len=args.max_model_len, model_overrides=overrides,
-                       enforce_eager=args.enforce_eager, seed=0)
+                       enforce_eager=args.enforce_eager, seed=0, **step_limits(args))
         self.vocab = self.llm.engine.model_config.vocab_size
+        sched = self.llm.engine.config.scheduler
+        self.limits = {"max_num_batched_tokens": sched.max_num_batched_tokens, "max_num_seqs": sched.max_num_seqs}
 
     def generate(self, prompts, max_tokens, temperature=0.0) -> int:
         params = [self.sp(temperature=temperature, max_tokens=m, ignore_eos=True) for m in max_tokens]
@@ -84,14 +86,21 @@ class VllmEngine:
         self.sp = SamplingParams
         self.llm = LLM(model=self.dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                        max_model_len=args.max_model_len, gpu_memory_utilization=0.85, seed=0,
-                       enforce_eager=args.enforce_eager)
+                       enforce_eager=args.enforce_eager, **step_limits(args))
         self.vocab = config["vocab_size"]
+        sched = self.llm.llm_engine.vllm_config.scheduler_config
+        self.limits = {"max_num_batched_tokens": sched.max_num_batched_tokens, "max_num_seqs": sched.max_num_seqs}
 
     def generate(self, prompts, max_tokens, temperature=0.0) -> int:
         params = [self.sp(temperature=temperature, max_tokens=m, ignore_eos=True, detokenize=False)
                   for m in max_tokens]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def step_limits(args) -> dict:
+    """The step limits given on the command line, for either engine (else each picks its own)."""
+    return {k: getattr(args, k) for k in ("max_num_batched_tokens", "max_num_seqs") if getattr(args, k) is not None}
 
 
 def sync() -> None:
@@ -112,7 +121,7 @@ def timed(engine, prompts, max_tokens, temperature=0.0) -> tuple[float, int]:
 def measure(engine_name: str, model: str, args, started: float) -> dict:
     """Every measurement of one engine on one model (in this process)."""
     engine = (VllmEngine if engine_name == "vllm" else CompilelmEngine)(model, args)
-    out = {"engine": engine_name, "model": model, "start_s": time.time() - started}
+    out = {"engine": engine_name, "model": model, "start_s": time.time() - started, **engine.limits}
     vocab, seed = engine.vocab, iter(range(1000, 10**6))
     timed(engine, token_prompts(2, (8, 16), vocab, 0), [4, 4])  # warm-up (lazy init, first sizes)
     short, long_ = args.decode_steps
@@ -164,7 +173,8 @@ def ratios(rows: list[dict]) -> list[dict]:
         for metric in [k for k in ours if k not in ("engine", "model", "error")]:
             a, b = ours[metric], peer.get(metric)
             lower_is_better = metric.startswith(("decode_ms", "start_s"))
-            adv = None if b is None else (b / a if lower_is_better else a / b)
+            settings = metric in ("max_num_batched_tokens", "max_num_seqs")  # what ran, not a result
+            adv = None if b is None or settings else (b / a if lower_is_better else a / b)
             table.append({"model": model, "metric": metric, "compilelm": a, "vllm": b, "compilelm_advantage": adv})
     return table
 
@@ -183,6 +193,9 @@ def parse(argv=None):
     ap.add_argument("--layers", type=int, default=None, help="cut every model to this many layers")
     ap.add_argument("--small", action="store_true", help="tiny mixes (CPU smoke test)")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="both engines' step budget (default: each engine's own; both follow vLLM's per-GPU defaults)")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="both engines' sequences per step (default: own)")
     ap.add_argument("--prefill-kernel", choices=("triton", "mma"), default="triton",
                     help="compilelm's prefill attention: the Triton kernel, or paged_attention's mma.sync one (A/B)")
     ap.add_argument("--timeout", type=float, default=900)

@@ -54,6 +54,29 @@ class SchedulerConfig:
             )
 
 
+USAGE_CONTEXTS = ("llm_class", "openai_api_server")  # vLLM's names for the two entry points
+
+
+def scheduler_defaults(device, usage_context: str = "llm_class") -> dict[str, int]:
+    """max_num_batched_tokens and max_num_seqs for a user who gave neither: vLLM's defaults for
+    the same hardware and entry point (its EngineArgs), so a step packs what a vLLM user's step
+    packs. A GPU of >= 70 GiB other than an A100 (H100, H200): 16384 tokens a step from `LLM`,
+    8192 from the server, 1024 sequences; smaller GPUs: 8192 / 2048 tokens, 256 sequences; the
+    CPU: 2048 tokens, 256 sequences. `device`: a torch.device."""
+    if usage_context not in USAGE_CONTEXTS:
+        raise ValueError(f"usage_context must be one of {', '.join(USAGE_CONTEXTS)}, got {usage_context!r}")
+    if device.type != "cuda":
+        return {"max_num_batched_tokens": 2048, "max_num_seqs": 256}
+    import torch
+
+    props = torch.cuda.get_device_properties(device.index if device.index is not None else torch.cuda.current_device())
+    large = props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower()
+    server = usage_context == "openai_api_server"
+    if large:
+        return {"max_num_batched_tokens": 8192 if server else 16384, "max_num_seqs": 1024}
+    return {"max_num_batched_tokens": 2048 if server else 8192, "max_num_seqs": 256}
+
+
 # --- model / engine config below ---
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
@@ -80,7 +103,8 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None  # None = the model's context length
     cache: CacheConfig = CacheConfig()
-    scheduler: SchedulerConfig | None = None  # None = defaults with max_model_len resolved
+    scheduler: SchedulerConfig | None = None  # None = scheduler_defaults, max_model_len resolved
+    usage_context: str = "llm_class"  # or "openai_api_server": picks scheduler_defaults' budget
     compilation: object | None = None  # compilelm.graphs.CompileConfig; None = eager
     model_overrides: tuple[tuple[str, object], ...] = ()  # e.g. (("num_hidden_layers", 2),) for dummy
     quantization: str | None = None  # "fp8": W8A8 linears (compilelm/layers/quantization)
@@ -107,6 +131,8 @@ class EngineConfig:
         if self.custom_all_reduce_min_bytes is not None and self.custom_all_reduce_min_bytes < -1:
             raise ValueError("custom_all_reduce_min_bytes must be None, -1 (off) or >= 0, "
                              f"got {self.custom_all_reduce_min_bytes}")
+        if self.usage_context not in USAGE_CONTEXTS:
+            raise ValueError(f"usage_context must be one of {', '.join(USAGE_CONTEXTS)}, got {self.usage_context!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from compilelm.config import CacheConfig, EngineConfig, SchedulerConfig
+from compilelm.config import CacheConfig, EngineConfig, SchedulerConfig, scheduler_defaults
 from compilelm.models.tokenizer import apply_chat_template
 from compilelm.outputs import RequestOutput
 from compilelm.runtime.engine import LLMEngine
@@ -29,16 +29,17 @@ def make_engine_config(model: str | None = None, *, compilation_config=None, enf
     engine_kw = {k: v for k, v in kwargs.items() if k in _ENGINE_FIELDS}
     if isinstance(engine_kw.get("model_overrides"), dict):
         engine_kw["model_overrides"] = tuple(engine_kw["model_overrides"].items())
-    scheduler = None
-    if sched_kw:
-        # without chunked prefill a whole prompt is one step: the budget holds the longest (as vLLM)
-        chunked = sched_kw.get("enable_chunked_prefill", True)
-        sched_kw.setdefault("max_num_batched_tokens", 2048 if chunked else max(2048, kwargs.get("max_model_len") or 0))
-        # max_model_len is re-resolved (and re-validated) by the engine once the model is known
-        scheduler = SchedulerConfig(max_model_len=kwargs.get("max_model_len") or 1, **sched_kw)
-    return EngineConfig(model=model, cache=cache, scheduler=scheduler,
-                        compilation=_compile_config(compilation_config, enforce_eager, optimization_level),
-                        **engine_kw)
+    config = EngineConfig(model=model, cache=cache,
+                          compilation=_compile_config(compilation_config, enforce_eager, optimization_level),
+                          **engine_kw)
+    if not sched_kw:  # the engine picks scheduler_defaults
+        return config
+    defaults = scheduler_defaults(config.torch_device(), config.usage_context)
+    if not sched_kw.get("enable_chunked_prefill", True):  # a whole prompt is one step: the budget holds the longest
+        defaults["max_num_batched_tokens"] = max(defaults["max_num_batched_tokens"], kwargs.get("max_model_len") or 0)
+    # max_model_len is re-resolved (and re-validated) by the engine once the model is known
+    scheduler = SchedulerConfig(max_model_len=kwargs.get("max_model_len") or 1, **{**defaults, **sched_kw})
+    return dataclasses.replace(config, scheduler=scheduler)
 
 
 def _compile_config(compilation_config, enforce_eager: bool, level: int | None):

@@ -199,7 +199,9 @@ def test_vs_vllm_runs_compilelm_alone_where_vllm_is_absent(tmp_path):
     metrics = {"start_s", "decode_ms b1 c16", "decode_ms b2 c16", "prefill_tok_s 2x16",
                "throughput_tok_s nano-vllm", "throughput_tok_s long-prompt"}
     assert metrics <= set(row) and all(row[m] > 0 for m in metrics)
-    assert {r["metric"] for r in payload["ratios"]} == metrics
+    # the step limits each engine ran with are reported (on the CPU: 2048 tokens, 256 sequences)
+    assert (row["max_num_batched_tokens"], row["max_num_seqs"]) == (2048, 256)
+    assert {r["metric"] for r in payload["ratios"]} == metrics | {"max_num_batched_tokens", "max_num_seqs"}
     assert all(r["vllm"] is None and r["compilelm_advantage"] is None for r in payload["ratios"])
     assert json.loads(out.read_text())["benchmark"] == "bench_vs_vllm"
 

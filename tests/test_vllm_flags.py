@@ -108,6 +108,52 @@ def test_chunked_prefill_off_raises_the_token_budget_to_max_model_len():
     assert engine.kv_cache_manager.block_pool.enable_caching is False
 
 
+def _fake_gpu(monkeypatch, name, gib):
+    import types
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: types.SimpleNamespace(name=name, total_memory=gib * 2**30))
+
+
+@pytest.mark.parametrize("gpu, gib, usage, want", [
+    ("NVIDIA H200", 141, "llm_class", (16384, 1024)), ("NVIDIA H100 80GB HBM3", 80, "openai_api_server", (8192, 1024)),
+    ("NVIDIA A100-SXM4-80GB", 80, "llm_class", (8192, 256)), ("NVIDIA L4", 24, "openai_api_server", (2048, 256)),
+])
+def test_step_limits_default_as_vllm_picks_them_for_the_gpu_and_entry_point(monkeypatch, gpu, gib, usage, want):
+    """vLLM's EngineArgs defaults (0.26.0): a large non-A100 GPU gets 16384 / 8192 tokens (LLM /
+    server) and 1024 sequences; others 8192 / 2048 and 256. A value the user gives wins."""
+    import torch
+
+    from compilelm.config import scheduler_defaults
+    from compilelm.llm import make_engine_config
+
+    _fake_gpu(monkeypatch, gpu, gib)
+    config = make_engine_config("dummy:qwen3-0.6b", device="cuda", usage_context=usage)
+    assert config.scheduler is None  # the engine settles it: scheduler_defaults(its device, its usage)
+    assert scheduler_defaults(torch.device("cuda"), usage) == {"max_num_batched_tokens": want[0],
+                                                                "max_num_seqs": want[1]}
+    given = make_engine_config("dummy:qwen3-0.6b", device="cuda", usage_context=usage, max_num_seqs=64).scheduler
+    assert (given.max_num_batched_tokens, given.max_num_seqs) == (want[0], 64)
+
+
+def test_step_limits_on_the_cpu_and_through_serve_flags(monkeypatch):
+    import torch
+
+    from compilelm.config import scheduler_defaults
+    from compilelm.entrypoints.engine_args import engine_config_from_args
+
+    assert scheduler_defaults(torch.device("cpu"), "llm_class") == {"max_num_batched_tokens": 2048, "max_num_seqs": 256}
+    with pytest.raises(ValueError, match="usage_context must be one of"):
+        scheduler_defaults(torch.device("cpu"), "batch")
+    _fake_gpu(monkeypatch, "NVIDIA H200", 141)
+    args = _parse("serve", "dummy:qwen3-0.6b", "--device", "cuda", "--max-num-seqs", "8")
+    sched = engine_config_from_args(args, usage_context="openai_api_server").scheduler
+    assert (sched.max_num_batched_tokens, sched.max_num_seqs) == (8192, 8)
+
+
 @pytest.mark.parametrize("device, checkpoint, want", [
     ("cuda", "bfloat16", "bfloat16"), ("cuda", "float16", "float16"), ("cuda", "float32", "bfloat16"),
     ("cuda", None, "bfloat16"), ("cpu", "bfloat16", "float32"), ("cpu", "float32", "float32")])

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from compilelm.runtime.engine import LLMEngine
 
     _check_server_args(args)
-    config = engine_config_from_args(args)
+    config = engine_config_from_args(args, usage_context="openai_api_server")
     # a missing model fails now, before the port is bound (and a repo id is downloaded once, here)
     source = resolve_model(config.model, config.revision, config.download_dir)
     from compilelm.ops.device_check import check_cuda_device

@@ -45,8 +45,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-model-len", type=human_int, default=None, help="e.g. 4096, 32k (32000), 32K (32768)")
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=human_int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences a step may hold (default: as vLLM, 1024 on GPUs of 70+ GiB, else 256)")
+    g.add_argument("--max-num-batched-tokens", type=human_int, default=None,
+                   help="tokens a step may hold (default: as vLLM, on GPUs of 70+ GiB 8192 for serve and 16384 "
+                        "for LLM / generate, on smaller GPUs 2048 / 8192, on the CPU 2048)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV-cache size in blocks")
     g.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="KV-cache budget on CPU")
@@ -130,7 +133,8 @@ def _json_object(flag: str, text: str | None) -> dict:
     return value
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+def engine_config_from_args(args: argparse.Namespace, usage_context: str = "llm_class") -> EngineConfig:
+    """`usage_context`: "openai_api_server" for `serve` (a smaller default step budget, as vLLM's)."""
     from compilelm.llm import make_engine_config
     from compilelm.models.generation_config import SAMPLING_KEYS
     from compilelm.models.tokenizer import load_chat_template
@@ -159,7 +163,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
               kv_cache_memory_gb=args.kv_cache_memory_gb,
               gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
-              tensor_parallel_size=args.tensor_parallel_size,
+              tensor_parallel_size=args.tensor_parallel_size, usage_context=usage_context,
               custom_all_reduce_min_bytes=getattr(args, "custom_all_reduce_min_bytes", None))
     if args.max_num_seqs is not None:
         kw["max_num_seqs"] = args.max_num_seqs

@@ -15,7 +15,7 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
-from compilelm.config import EngineConfig, SchedulerConfig
+from compilelm.config import EngineConfig, SchedulerConfig, scheduler_defaults
 from compilelm.models.dtype import resolve_dtype
 from compilelm.models.generation_config import load_generation_defaults
 from compilelm.models.loader import load_model_config, resolve_model
@@ -95,7 +95,8 @@ class LLMEngine:
         if max_len > self.model_config.max_position_embeddings:
             raise ValueError(f"max_model_len ({max_len}) exceeds the model's context length "
                              f"({self.model_config.max_position_embeddings})")
-        sched = config.scheduler or SchedulerConfig(max_num_batched_tokens=2048, max_model_len=max_len)
+        sched = config.scheduler or SchedulerConfig(
+            max_model_len=max_len, **scheduler_defaults(config.torch_device(), config.usage_context))
         if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_len:
             # a whole prompt runs in one step: the budget holds the longest (vLLM does the same)
             logger.info("chunked prefill off: max_num_batched_tokens %d -> max_model_len %d",
@@ -124,6 +125,9 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(config.cache.block_size, num_blocks,
                                                config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        logger.info("scheduler: up to %d tokens and %d sequences a step (--max-num-batched-tokens, "
+                    "--max-num-seqs; defaults as vLLM's for this GPU and entry point)",
+                    config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens; max concurrency at %d tokens "
                     "per request: %.1fx", num_blocks - 1, config.cache.block_size,
                     (num_blocks - 1) * config.cache.block_size, max_len,
