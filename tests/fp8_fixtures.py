@@ -45,10 +45,12 @@ def quantization_config(method: str, weights: str, activations: str) -> dict:
             qc["weight_block_size"] = [BLOCK, BLOCK]
         return qc
     acts = ({"strategy": "group", "group_size": BLOCK, "dynamic": True} if weights == "block" else
-            {"strategy": "token", "dynamic": True} if activations == "dynamic" else {"strategy": "tensor", "dynamic": False})
+            {"strategy": "token", "dynamic": True} if activations == "dynamic" else
+            {"strategy": "tensor", "dynamic": False})
     w = {"strategy": weights, "dynamic": False, "block_structure": [BLOCK, BLOCK] if weights == "block" else None}
     group = {"targets": ["Linear"], "output_activations": None,
-             "weights": {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "observer": "minmax", **w},
+             "weights": {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
+                         "observer": "minmax", **w},
              "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "observer": None,
                                    "group_size": None, **acts}}
     return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
@@ -130,7 +132,8 @@ def write_checkpoint(path: Path, fmt: str, arch: str = "LlamaForCausalLM", calib
                 lambda mod, args, s=s: (fake_quant(args[0], activations, weights, s).to(args[0].dtype),))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
     cfg = json.loads(src.config.to_json_string())
-    cfg.update(architectures=[arch], torch_dtype="bfloat16", quantization_config=quantization_config(method, weights, activations))
+    cfg.update(architectures=[arch], torch_dtype="bfloat16",
+               quantization_config=quantization_config(method, weights, activations))
     (path / "config.json").write_text(json.dumps(cfg))
     return src, ref
 

@@ -114,7 +114,8 @@ def test_ignored_layers_stay_unquantized(tmp_path):
     from safetensors.torch import load_file, save_file
     tensors = load_file(str(tmp_path / "model.safetensors"))
     key = "model.layers.1.mlp.down_proj"
-    tensors[f"{key}.weight"] = (tensors[f"{key}.weight"].float() * tensors.pop(f"{key}.weight_scale")).to(torch.bfloat16)
+    scale = tensors.pop(f"{key}.weight_scale")
+    tensors[f"{key}.weight"] = (tensors[f"{key}.weight"].float() * scale).to(torch.bfloat16)
     save_file(tensors, str(tmp_path / "model.safetensors"))
     source = resolve_model(str(tmp_path))
     model = build_model(source, load_model_config(source), torch.float32, torch.device("cpu"))

@@ -179,7 +179,8 @@ def _load_block_scale(layer, scheme, name, param, loaded: torch.Tensor, shard_id
                          f"{c_src} do not start and end on {bn} x {bk} block boundaries; packed shards and "
                          "tensor-parallel slices of block-wise FP8 weights must")
     rb = -(-n // bn)
-    param.data[dst // bn: dst // bn + rb] = loaded.float()[src // bn: src // bn + rb, c_src // bk: c_src // bk + c_n // bk]
+    rows, cols = slice(src // bn, src // bn + rb), slice(c_src // bk, c_src // bk + c_n // bk)
+    param.data[dst // bn: dst // bn + rb] = loaded.float()[rows, cols]
 
 
 def _load_input_scale(param, loaded: torch.Tensor, shard_id=None) -> None:
