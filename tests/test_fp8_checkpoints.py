@@ -209,3 +209,39 @@ def test_packed_shards_share_the_max_static_input_scale(tmp_path):
         scales = [disk[f"model.layers.1.{g}.input_scale"].item() for g in group]
         assert model.model.layers[1].get_submodule(ours).input_scale.item() == max(scales)
     assert len({disk[f"model.layers.1.self_attn.{p}_proj.input_scale"].item() for p in "qkv"}) == 3
+
+
+@pytest.mark.parametrize("weights", ["tensor", "channel", "block"])
+def test_tensor_parallel_slices_keep_their_scales(monkeypatch, weights):
+    """tensor_parallel_size 2: each rank's fp8 rows / columns come with their own scales (q split
+    by heads, the one KV head replicated, down_proj split by 128-column blocks)."""
+    from compilelm.distributed import parallel_state
+    from compilelm.layers.linear import QKVParallelLinear, RowParallelLinear
+    from compilelm.layers.quantization import Fp8Scheme
+    from compilelm.layers.quantization.checkpoint import _make_fp8_params
+    from tests.fp8_fixtures import quantize_weight
+    scheme = Fp8Scheme("compressed-tensors", weights, "dynamic", (128, 128) if weights == "block" else None)
+    g = torch.Generator().manual_seed(0)
+    shards = {s: quantize_weight(torch.randn(rows, 256, generator=g) * 0.05, weights)
+              for s, rows in (("q", 256), ("k", 128), ("v", 128))}
+    down = quantize_weight(torch.randn(256, 512, generator=g) * 0.05, weights)
+
+    def dequantized(layer):
+        s = layer.weight_scale
+        full = (s.repeat_interleave(128, 0).repeat_interleave(128, 1) if weights == "block" else s.t())
+        return layer.weight.float() * full
+
+    for rank in (0, 1):
+        monkeypatch.setattr(parallel_state, "_TP_RANK", rank)
+        monkeypatch.setattr(parallel_state, "_TP_SIZE", 2)
+        qkv, row = QKVParallelLinear(256, 128, 2, 1), RowParallelLinear(512, 256)
+        _make_fp8_params(qkv, scheme, "qkv_proj")
+        _make_fp8_params(row, scheme, "down_proj")
+        for s, (q, scale, _) in shards.items():
+            qkv.weight.weight_loader(qkv.weight, q, s)
+            qkv.weight_scale.weight_loader(qkv.weight_scale, scale, s)
+        row.weight.weight_loader(row.weight, down[0])
+        row.weight_scale.weight_loader(row.weight_scale, down[1])
+        want = torch.cat([shards["q"][2][rank * 128:(rank + 1) * 128], shards["k"][2], shards["v"][2]])
+        assert torch.equal(dequantized(qkv), want)
+        assert torch.equal(dequantized(row), down[2][:, rank * 256:(rank + 1) * 256])
