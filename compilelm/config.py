@@ -107,7 +107,9 @@ class EngineConfig:
     usage_context: str = "llm_class"  # or "openai_api_server": picks scheduler_defaults' budget
     compilation: object | None = None  # compilelm.graphs.CompileConfig; None = eager
     model_overrides: tuple[tuple[str, object], ...] = ()  # e.g. (("num_hidden_layers", 2),) for dummy
-    quantization: str | None = None  # "fp8": W8A8 linears (compilelm/layers/quantization)
+    # "fp8": W8A8 linears of an unquantized checkpoint (compilelm/layers/quantization); FP8
+    # checkpoints are detected from their config.json and served as FP8 with or without it
+    quantization: str | None = None
     tensor_parallel_size: int = 1  # ranks, one process each (compilelm/runtime/executor.py)
     # TP on CUDA: the smallest all-reduce (bytes) that takes the one-shot peer-memory kernel;
     # None = 1 MiB (below it NCCL is faster: docs/perf.md, "Tensor parallel all-reduce"),

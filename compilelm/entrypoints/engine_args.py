@@ -69,7 +69,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                    help="TP on CUDA: all-reduces from this size take the one-shot peer-memory kernel, smaller "
                         "ones NCCL (default 1 MiB; 0 = every size it takes; -1 = NCCL only)")
     g.add_argument("--quantization", "-q", default=None, choices=["fp8"],
-                   help="fp8: W8A8 linears (fp8 weights, per-token fp8 activations)")
+                   help="fp8: W8A8 linears (fp8 weights, per-token fp8 activations); FP8 checkpoints "
+                        "(fp8, compressed-tensors) are detected from config.json without it")
     c = parser.add_argument_group("compilation")
     c.add_argument("-O", "--optimization-level", dest="optimization_level", type=int, default=None,
                    choices=[0, 1, 2, 3], help="0 eager, 1 piecewise compile, 2 default (all passes), 3 + static sizes")

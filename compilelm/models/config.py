@@ -37,6 +37,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     extra: tuple[tuple[str, Any], ...] = field(default=())
+    # the checkpoint's FP8 format (compilelm.layers.quantization.Fp8Scheme), None: unquantized
+    quantization: Any = None
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -75,7 +77,10 @@ class ModelConfig:
         return dict(self.rope_scaling) if self.rope_scaling else None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if self.quantization is None:  # absent: the compile cache keys of unquantized models stay as they were
+            del d["quantization"]
+        return d
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelConfig:

@@ -84,8 +84,12 @@ def load_model_config(source: ModelSource, overrides: dict | None = None) -> Mod
     if source.kind == "gguf":
         from compilelm.models.gguf_loader import gguf_model_config, open_gguf
         return gguf_model_config(open_gguf(source.path))
-    with open(os.path.join(source.path, "config.json")) as f:
-        return ModelConfig.from_hf_config({**json.load(f), **(overrides or {})})
+    from compilelm.layers.quantization import parse_quantization_config
+    path = os.path.join(source.path, "config.json")
+    with open(path) as f:
+        cfg = {**json.load(f), **(overrides or {})}
+    scheme = parse_quantization_config(cfg.get("quantization_config"), path)  # refuses what is not served
+    return ModelConfig.from_hf_config(cfg).with_overrides(quantization=scheme)
 
 
 def _iterate_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -116,6 +120,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         param = params.get(name)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
+        if hasattr(param, "weight_loader"):  # a parameter with its own loader (FP8 weights and scales)
+            param.weight_loader(param, tensor, shard)
+            loaded.add(name)
+            continue
         owner = model.get_submodule(name.rpartition(".")[0])
         loader = getattr(owner, "weight_loader", None)
         tensor = tensor.to(param.dtype)
@@ -156,7 +164,8 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 def build_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                 quantization: str | None = None) -> nn.Module:
-    """`quantization="fp8"` quantizes the linears after loading (FP8 checkpoints are read as such)."""
+    """An FP8 checkpoint (`config.quantization`, detected from its config.json) is served as FP8
+    whatever `quantization` says; otherwise `quantization="fp8"` quantizes the linears after loading."""
     cls = get_model_class(config)
     # The parameters are made on the device, in `dtype`, with torch.empty (no init kernels, no
     # fp32 copy; on meta, `to_empty` runs torch's Python meta kernels: docs/perf.md, "Compile and
@@ -178,12 +187,18 @@ def build_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype, de
         if cost is not None and get_tp_rank() == 0:
             logger.info("%s", cost)
         load_weights(model, iterate_gguf_weights(reader, config), total=len(reader.tensors))
+    elif config.quantization is not None:  # an FP8 checkpoint: its fp8 weights and scales, as published
+        from compilelm.layers.quantization import (
+            finalize_fp8_checkpoint,
+            fp8_checkpoint_tensors,
+            prepare_fp8_checkpoint,
+        )
+        prepare_fp8_checkpoint(model, config.quantization)
+        load_weights(model, fp8_checkpoint_tensors(_iterate_safetensors(source.path), config.quantization))
+        finalize_fp8_checkpoint(model, config.quantization)
+        return model.eval()
     else:
-        from compilelm.layers.quantization import checkpoint_quantization, dequantize_fp8_weights
-        weights = _iterate_safetensors(source.path)
-        if checkpoint_quantization(source.path) is not None:  # fp8 on disk: dequantized while loading
-            weights = dequantize_fp8_weights(model, weights)
-        load_weights(model, weights)
+        load_weights(model, _iterate_safetensors(source.path))
     if quantization is not None:
         from compilelm.layers.quantization import quantize_model
         quantize_model(model, quantization)

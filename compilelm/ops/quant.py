@@ -11,6 +11,11 @@ differs, so a fp8 value can land one step away where a product sits on a roundin
 Scales follow vLLM: x ~= q.float() * scale.
     per token:  scale: [num_tokens, 1] fp32 = max(amax(|x|, -1) / 448, 1 / (448 * 512))
     static:     scale: [1] fp32, given (calibrated offline)
+    per token group (block-wise FP8 checkpoints): scale: [num_tokens, hidden / group] fp32, one per
+                1 x group slice of a row, same formula over the slice
+
+`quant_fp8_per_token_group` is defined here in Python (library.define, no csrc kernel): the same
+torch composition runs on every device.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 from torch import Tensor
 
 from compilelm.ops.activation import silu_and_mul
+from compilelm.ops.library import define
 from compilelm.ops.norm import rms_norm
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -41,6 +47,16 @@ def quant_fp8_static_ref(x: Tensor, scale: Tensor) -> Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
+def quant_fp8_per_token_group_ref(x: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    # x: [num_tokens, hidden], hidden % group_size == 0
+    # -> q: fp8 [num_tokens, hidden], scale: fp32 [num_tokens, hidden // group_size]
+    t, k = x.shape
+    xg = x.float().reshape(t, k // group_size, group_size)
+    scale = (xg.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    q = (xg / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.reshape(t, k), scale.squeeze(-1)
+
+
 def _quant(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor]:
     if scale is None:
         return quant_fp8_per_token_ref(x)
@@ -57,6 +73,20 @@ def quant_fp8_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
 def quant_fp8_static(x: Tensor, scale: Tensor) -> Tensor:
     """Static per-tensor quantization with a calibrated scale."""
     return torch.ops.compilelm.quant_fp8_static.default(x, scale)
+
+
+def _per_token_group_fake(x, group_size):
+    return (x.new_empty(x.shape, dtype=FP8_DTYPE),
+            x.new_empty((x.shape[0], x.shape[1] // group_size), dtype=torch.float32))
+
+
+@define("quant_fp8_per_token_group(Tensor x, int group_size) -> (Tensor, Tensor)", _per_token_group_fake)
+def quant_fp8_per_token_group(x: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """Dynamic quantization per 1 x group_size slice of each row (the activations of block-wise
+    FP8 linears): x [num_tokens, hidden] -> (q fp8 [num_tokens, hidden], scale [num_tokens, hidden / group])."""
+    if x.shape[-1] % group_size:
+        raise ValueError(f"quant_fp8_per_token_group: hidden size {x.shape[-1]} is not a multiple of {group_size}")
+    return quant_fp8_per_token_group_ref(x, group_size)
 
 
 def rms_norm_quant_fp8(x: Tensor, weight: Tensor, eps: float, scale: Tensor | None) -> tuple[Tensor, Tensor]:

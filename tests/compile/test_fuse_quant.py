@@ -157,3 +157,48 @@ def test_switches_on_at_O2_off_at_O1_and_skipped_without_fp8():
     p = RMSNormQuantFusionPass()
     p(gm.graph)
     assert p.matches == 0 and p.seconds == 0.0
+
+
+@pytest.mark.parametrize("fmt", ["tensor-dynamic", "channel-static", "block"])
+def test_fusions_on_layers_loaded_from_fp8_checkpoints(fmt):
+    """Linears loaded from an FP8 checkpoint (checkpoint.py's parameters and methods): per-token
+    and static activation scales meet the same fusions as `quantize_model`'s layers; block-wise
+    layers quantize per 1 x 128 group, which no fusion matches (the norm and silu-mul stay unfused)."""
+    from compilelm.layers.quantization import Fp8Scheme, finalize_fp8_checkpoint
+    from compilelm.layers.quantization.checkpoint import _make_fp8_params
+    from compilelm.layers.quantization.fp8 import fp8_linears
+    weights, _, acts = fmt.partition("-")
+    scheme = Fp8Scheme("compressed-tensors", weights, acts or "dynamic", (128, 128) if weights == "block" else None)
+    torch.manual_seed(0)
+    block = Block(hidden=128, inter=128)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(1.0 if p.dim() == 1 else 0.0, 0.1)
+    for name, layer in list(fp8_linears(block)):
+        w = layer.weight.data.clone()
+        _make_fp8_params(layer, scheme, name)
+        layer.weight.data.copy_(w.clamp(-448, 448).to(torch.float8_e4m3fn))
+        layer.weight_scale.data.fill_(0.01)
+        if layer.input_scale is not None:
+            layer.input_scale.data.fill_(0.02)
+    finalize_fp8_checkpoint(block, scheme)
+    g = torch.Generator().manual_seed(0)
+    x, r = torch.randn(7, 128, generator=g), torch.randn(7, 128, generator=g)
+    gm = make_fx(block, tracing_mode="symbolic", decomposition_table=select_decomp_table(),
+                 _allow_non_fake_inputs=True)(x, r)
+    first = next(iter(gm.graph.nodes))
+    for node in [n for n in gm.graph.nodes if n.op == "get_attr"]:  # weights first, as in trace()
+        first.prepend(node)
+    NoOpEliminationPass().run(gm.graph)
+    norm, act = RMSNormQuantFusionPass(), SiluMulQuantFusionPass()
+    norm(gm.graph)
+    act(gm.graph)
+    gm.recompile()
+    if weights == "block":
+        assert (norm.matches, act.matches) == (0, 0)
+        assert count(gm, ops.quant_fp8_per_token_group.default) == 3
+    else:
+        assert (norm.matches, act.matches) == (2, 1)
+        assert count(gm, ops.quant_fp8_per_token.default) + count(gm, ops.quant_fp8_static.default) == 0
+    for got, want in zip(gm(x, r), block(x, r)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -1,83 +1,189 @@
-"""Hugging Face checkpoints already in FP8 (`quantization_config.quant_method == "fp8"`, the
-format of llm-compressor / vLLM / transformers' FineGrainedFP8 without block sizes):
+"""Load an FP8 checkpoint (scheme.py's formats) as FP8: the decoder's linears keep the published
+float8_e4m3fn weights and scales, bit for bit.
 
-    <layer>.weight        float8_e4m3fn [out, in]
-    <layer>.weight_scale  fp32 [] / [1] (per tensor) or [out] / [out, 1] (per channel)
-    <layer>.input_scale   fp32 [] / [1], only with activation_scheme "static"
+    prepare_fp8_checkpoint(model, scheme)   before loading: each quantized linear gets
+        weight        fp8 [out, in]                                   (this rank's rows / columns)
+        weight_scale  fp32 [1, out]  tensor / channel: one scale per output row (a per-tensor scale
+                                     is repeated over its shard's rows)
+                      fp32 [ceil(out / bn), ceil(in / bk)]  block
+        input_scale   fp32 [1]       static activations only: the max over packed shards
+    fp8_checkpoint_tensors(weights, scheme)  the checkpoint's tensors, renamed / filtered for the loader
+    finalize_fp8_checkpoint(model, scheme)   after loading: checks every scale arrived, sets quant_method
 
-The weights are dequantized while streaming (w = q * scale, so the ordinary loader and packed
-q/k/v and gate/up shards keep working) and `quantize_model` re-quantizes them per channel;
-input scales are kept on the layer (`checkpoint_input_scale`, max over packed shards, which share
-their input). Re-quantizing is exact for per-channel checkpoints up to fp8 rounding of rows whose
-amax is not representable; block-wise (`weight_block_size`) checkpoints are not supported.
+Packed layers (q|k|v -> qkv_proj, gate|up -> gate_up_proj) with per-tensor scales: each shard's
+published scale stays on its own rows (a per-channel scale vector), so no weight is re-quantized
+and the numbers are the checkpoint's. vLLM instead re-quantizes the shards to their max scale
+(its per-tensor CUTLASS GEMM takes one scale); here the rowwise-scaled `_scaled_mm` takes the
+vector at the same cost. Static input scales of packed shards (one input, calibrated per shard)
+become their max, as in vLLM. Block scales of packed shards stack along the rows: every shard's
+rows must be a multiple of bn (as vLLM requires).
+
+KV-cache scales (k_scale / v_scale, an FP8 KV cache's) are skipped with a warning: the KV cache
+stays in the model dtype. Zero points of symmetric schemes (all zero) are dropped.
 """
 
 from __future__ import annotations
 
-import json
-import os
+import logging
 from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
+from compilelm.distributed.parallel_state import get_tp_rank
+from compilelm.layers.linear import ColumnParallelLinear, Linear, MergedColumnParallelLinear, RowParallelLinear
+from compilelm.layers.quantization.fp8 import Fp8BlockLinearMethod, Fp8LinearMethod, fp8_linears
+from compilelm.layers.quantization.scheme import Fp8Scheme
+from compilelm.ops.quant import FP8_DTYPE
 
-def checkpoint_quantization(path: str) -> dict | None:
-    """The quantization_config of an HF model directory if it is fp8, else None."""
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            qc = json.load(f).get("quantization_config")
-    except (OSError, ValueError):
-        return None
-    if not qc or qc.get("quant_method") != "fp8":
-        return None
-    if qc.get("weight_block_size"):
-        raise ValueError(f"{path}: block-wise fp8 checkpoints (weight_block_size) are not supported")
-    return qc
+logger = logging.getLogger("compilelm")
+
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale", ".q_scale", ".prob_scale")
 
 
-def dequantize_fp8_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
+def checkpoint_module_names(model: nn.Module, name: str) -> list[str]:
+    """The checkpoint's module names that load into our layer `name` (q/k/v_proj for qkv_proj)."""
+    prefix, _, last = name.rpartition(".")
+    frags = [frag for frag, (ours, _) in getattr(model, "packed_modules", {}).items() if ours == last]
+    return [f"{prefix}.{frag}" for frag in frags] or [name]
+
+
+def prepare_fp8_checkpoint(model: nn.Module, scheme: Fp8Scheme) -> list[str]:
+    """Gives the linears the scheme quantizes their fp8 parameters (module docstring); returns their names."""
+    quantized = []
+    for name, layer in list(fp8_linears(model)):
+        sources = checkpoint_module_names(model, name)
+        ignored = [scheme.is_ignored(s) for s in sources]
+        if all(ignored):
+            continue
+        if any(ignored):
+            raise ValueError(f"{name}: the checkpoint leaves {[s for s, i in zip(sources, ignored) if i]} "
+                             f"unquantized but not the other shards {sources}; compilelm packs them in one layer")
+        _make_fp8_params(layer, scheme, name)
+        quantized.append(name)
+    return quantized
+
+
+def fp8_checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor]], scheme: Fp8Scheme
                            ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the checkpoint's tensors with fp8 weights dequantized; consume the scales."""
-    pending: dict[str, torch.Tensor] = {}  # weight name -> fp8 weight waiting for its scale
-    scales: dict[str, torch.Tensor] = {}  # weight name -> scale waiting for its weight
-    packed = getattr(model, "packed_modules", {})
+    """The checkpoint's tensors under our parameter names: weight_scale_inv -> weight_scale,
+    KV-cache scales skipped (warned once), all-zero zero points dropped."""
+    warned = False
     for name, tensor in weights:
-        if name.endswith(".input_scale"):
-            _store_input_scale(model, packed, name, tensor)
+        if name.endswith(KV_SCALE_SUFFIXES) or name.endswith(".output_scale"):
+            if not warned:
+                logger.warning("the checkpoint has FP8 KV-cache scales (%s, ...); compilelm keeps the KV "
+                               "cache in the model dtype and ignores them", name)
+                warned = True
             continue
-        if name.endswith(".weight_scale"):
-            wname = name[: -len("_scale")]
-            if wname in pending:
-                yield wname, _dequantize(pending.pop(wname), tensor)
-            else:
-                scales[wname] = tensor
+        if name.endswith("_zero_point"):
+            if tensor.count_nonzero():
+                raise ValueError(f"{name}: non-zero zero points (asymmetric quantization) are not supported")
             continue
-        if tensor.dtype == torch.float8_e4m3fn:
-            if name in scales:
-                yield name, _dequantize(tensor, scales.pop(name))
-            else:
-                pending[name] = tensor
-            continue
+        if scheme.weight_scale_name != "weight_scale" and name.endswith("." + scheme.weight_scale_name):
+            name = name[: -len(scheme.weight_scale_name)] + "weight_scale"
         yield name, tensor
-    if pending:
-        raise ValueError(f"fp8 checkpoint: no weight_scale for {sorted(pending)[:3]}")
 
 
-def _dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    scale = scale.float()
-    if scale.numel() > 1:
-        scale = scale.reshape(-1, 1)  # per output channel
-    return q.float() * scale
+def finalize_fp8_checkpoint(model: nn.Module, scheme: Fp8Scheme) -> None:
+    """After loading: every weight/input scale must have been set (> 0); attaches the linear method."""
+    method = Fp8BlockLinearMethod(scheme.block_size) if scheme.weights == "block" else Fp8LinearMethod()
+    for name, layer in fp8_linears(model):
+        if layer.weight.dtype != FP8_DTYPE:
+            continue
+        for pname in ("weight_scale", "input_scale"):
+            p = getattr(layer, pname, None)
+            if p is not None and not bool((p > 0).all()):
+                raise ValueError(f"{name}.{pname}: the checkpoint did not give every packed shard its scale")
+        layer.quant_method = method
+        if scheme.weights == "block":
+            method.warm_up(layer)
 
 
-def _store_input_scale(model: nn.Module, packed: dict, name: str, scale: torch.Tensor) -> None:
-    module_name = name[: -len(".input_scale")]
-    for frag, (ours, _) in packed.items():
-        if module_name.endswith(f".{frag}"):
-            module_name = module_name[: -len(frag)] + ours
-            break
-    layer = model.get_submodule(module_name)
-    scale = scale.float().reshape(1)
-    old = getattr(layer, "checkpoint_input_scale", None)
-    layer.checkpoint_input_scale = scale if old is None else torch.maximum(old, scale)
+# -- parameters and their loaders ---------------------------------------------------------------
+
+def _make_fp8_params(layer: Linear, scheme: Fp8Scheme, name: str) -> None:
+    device = layer.weight.device
+    out_f, in_f = layer.weight.shape
+    weight = nn.Parameter(torch.empty(out_f, in_f, dtype=FP8_DTYPE, device=device), requires_grad=False)
+    weight.weight_loader = lambda param, loaded, shard_id=None: _load_weight(layer, name, param, loaded, shard_id)
+    layer.weight = weight
+    if scheme.weights == "block":
+        bn, bk = scheme.block_size
+        if in_f % bk:
+            raise ValueError(f"{name}: {in_f} input features (this rank) are not a multiple of the block size {bk}")
+        shape = (-(-out_f // bn), in_f // bk)
+        load = _load_block_scale
+    else:
+        shape = (1, out_f)
+        load = _load_row_scale
+    scale = nn.Parameter(torch.zeros(shape, dtype=torch.float32, device=device), requires_grad=False)
+    scale.weight_loader = lambda param, loaded, shard_id=None: load(layer, scheme, name, param, loaded, shard_id)
+    layer.weight_scale = scale
+    if scheme.activations == "static":
+        input_scale = nn.Parameter(torch.zeros(1, dtype=torch.float32, device=device), requires_grad=False)
+        input_scale.weight_loader = _load_input_scale
+        layer.input_scale = input_scale
+    else:
+        layer.input_scale = None
+
+
+def _rows(layer: Linear, shard_id) -> tuple[int, int, int, int]:
+    """(first row in the layer's weight, rows on this rank, first row in the checkpoint tensor,
+    the checkpoint tensor's rows) of shard `shard_id`."""
+    if isinstance(layer, MergedColumnParallelLinear):
+        dst, n = layer.shard_offsets[shard_id]
+        return dst, n, layer.shard_sources[shard_id], layer.full_sizes[shard_id]
+    if isinstance(layer, ColumnParallelLinear):
+        n = layer.out_features
+        return 0, n, get_tp_rank() * n, layer.full_out
+    return 0, layer.out_features, 0, layer.out_features
+
+
+def _cols(layer: Linear) -> tuple[int, int, int]:
+    """(first input column in the checkpoint tensor, columns on this rank, the checkpoint's columns)."""
+    if isinstance(layer, RowParallelLinear):
+        return get_tp_rank() * layer.in_features, layer.in_features, layer.full_in
+    return 0, layer.in_features, layer.in_features
+
+
+def _load_weight(layer: Linear, name: str, param, loaded: torch.Tensor, shard_id) -> None:
+    if loaded.dtype != FP8_DTYPE:
+        raise ValueError(f"{name}: the FP8 checkpoint's weight is {loaded.dtype}, expected float8_e4m3fn")
+    layer.weight_loader(param, loaded, shard_id)
+
+
+def _load_row_scale(layer, scheme, name, param, loaded: torch.Tensor, shard_id) -> None:
+    dst, n, src, full = _rows(layer, shard_id)
+    loaded = loaded.float().reshape(-1)
+    if loaded.numel() == 1:  # per tensor: the shard's rows share it
+        param.data[0, dst:dst + n] = loaded[0]
+    elif loaded.numel() == full:  # per output channel
+        param.data[0, dst:dst + n] = loaded[src:src + n]
+    else:
+        raise ValueError(f"{name} shard {shard_id}: weight_scale has {loaded.numel()} values; expected 1 (per "
+                         f"tensor) or {full} (per channel)")
+
+
+def _load_block_scale(layer, scheme, name, param, loaded: torch.Tensor, shard_id) -> None:
+    bn, bk = scheme.block_size
+    dst, n, src, full = _rows(layer, shard_id)
+    c_src, c_n, c_full = _cols(layer)
+    want = (-(-full // bn), -(-c_full // bk))
+    if tuple(loaded.shape) != want:
+        raise ValueError(f"{name} shard {shard_id}: block weight_scale has shape {tuple(loaded.shape)}, "
+                         f"expected {want} for {full} x {c_full} weights in {bn} x {bk} blocks")
+    ragged_end = src + n == full and dst + n == layer.out_features  # a partial last block is fine
+    if dst % bn or src % bn or (n % bn and not ragged_end) or c_src % bk:
+        raise ValueError(f"{name} shard {shard_id}: rows {src}..{src + n} (placed at {dst}) or columns from "
+                         f"{c_src} do not start and end on {bn} x {bk} block boundaries; packed shards and "
+                         "tensor-parallel slices of block-wise FP8 weights must")
+    rb = -(-n // bn)
+    rows, cols = slice(src // bn, src // bn + rb), slice(c_src // bk, c_src // bk + c_n // bk)
+    param.data[dst // bn: dst // bn + rb] = loaded.float()[rows, cols]
+
+
+def _load_input_scale(param, loaded: torch.Tensor, shard_id=None) -> None:
+    if loaded.numel() != 1:
+        raise ValueError(f"input_scale has {loaded.numel()} values; only per-tensor static scales are supported")
+    param.data.copy_(torch.maximum(param.data, loaded.float().reshape(1).to(param.device)))

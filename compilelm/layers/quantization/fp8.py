@@ -1,13 +1,15 @@
 """FP8 W8A8 linear layers: float8_e4m3fn weights with per-output-channel scales, activations
 quantized per token (dynamic, the default) or with one static per-tensor scale, matmul through
-`torch._scaled_mm` (fp8 x fp8 -> the activation dtype, scales applied in its epilogue).
+`torch._scaled_mm` (fp8 x fp8 -> the activation dtype, scales applied in its epilogue; CPU and CUDA).
+Block-wise FP8 checkpoints (`Fp8BlockLinearMethod`) quantize activations per 1 x bk group and
+multiply through `compilelm::fp8_block_linear` (compilelm/ops/fp8_block_gemm.py).
 
 Quantization is applied after the weights are loaded (`quantize_model`), so every loader (GGUF,
 Hugging Face, dummy) stays unchanged; only the decoder's Linear / MergedColumnParallelLinear layers are
 quantized, the embedding and lm_head stay in the model dtype.
 
-Static activation scales come from the checkpoint (`input_scale` tensors of an FP8 checkpoint,
-see checkpoint.py) or from `calibrate(model)`: run a few eager forward passes inside it, and each
+FP8 checkpoints are loaded as such (checkpoint.py) and get the same methods; for unquantized
+checkpoints static activation scales come from `calibrate(model)`: run a few eager forward passes inside it, and each
 layer's input scale becomes amax(|input|) / 448 over those passes.
 
 The activation quant is a separate op (`compilelm::quant_fp8_per_token` / `quant_fp8_static`)
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from compilelm.layers.linear import Linear
+from compilelm.ops import fp8_block_gemm
 from compilelm.ops import quant as _quant_ops  # noqa: F401  (registers torch.ops.compilelm.quant_*)
 from compilelm.ops.quant import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
@@ -62,6 +65,27 @@ class Fp8LinearMethod:
         return out if x.dim() == 2 else out.reshape(*shape[:-1], out.shape[-1])
 
 
+class Fp8BlockLinearMethod:
+    """The `Linear.quant_method` of block-wise FP8 checkpoints: layer.weight fp8 [out, in],
+    layer.weight_scale fp32 [ceil(out / bn), ceil(in / bk)]; activations quantized per 1 x bk group."""
+
+    def __init__(self, block_size: tuple[int, int]):
+        self.block_size = [int(b) for b in block_size]  # [bn, bk]
+
+    def warm_up(self, layer: Linear) -> None:
+        """Settles the CUDA GEMM route for the layer's device (before any graph capture)."""
+        fp8_block_gemm.warm_up(layer.weight.device, self.block_size)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, in] -> [num_tokens, out] in x's dtype
+        shape = x.shape
+        x2 = x if x.dim() == 2 else x.reshape(-1, shape[-1])
+        q, x_scale = torch.ops.compilelm.quant_fp8_per_token_group(x2, self.block_size[1])  # [T, in / bk]
+        out = torch.ops.compilelm.fp8_block_linear(q, x_scale, layer.weight, layer.weight_scale, self.block_size,
+                                                   layer.bias, x.dtype)
+        return out if x.dim() == 2 else out.reshape(*shape[:-1], out.shape[-1])
+
+
 def fp8_linears(model: nn.Module):
     """The decoder's Linear layers (not lm_head): what fp8 quantizes."""
     for name, mod in model.named_modules():
@@ -70,14 +94,13 @@ def fp8_linears(model: nn.Module):
 
 
 def quantize_model(model: nn.Module, method: str) -> nn.Module:
-    """Quantize the loaded model's linears in place. A checkpoint's static input scales (stored as
-    `layer.checkpoint_input_scale` by the checkpoint loader) are kept."""
+    """Quantize the loaded (unquantized) model's linears in place, per channel, dynamic activations."""
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None, got {method!r}")
     fp8 = Fp8LinearMethod()
     with torch.no_grad():
         for _, layer in fp8_linears(model):
-            fp8.process_weights(layer, getattr(layer, "checkpoint_input_scale", None))
+            fp8.process_weights(layer)
     return model
 
 
@@ -86,7 +109,7 @@ def calibrate(model: nn.Module):
     """Static activation scales from data: run eager forward passes inside this context; on exit
     each fp8 linear gets input_scale = amax(|input|) / 448 over everything it saw. Compile the
     model after calibrating (the static and dynamic graphs differ)."""
-    layers = [layer for _, layer in fp8_linears(model) if layer.quant_method is not None]
+    layers = [layer for _, layer in fp8_linears(model) if isinstance(layer.quant_method, Fp8LinearMethod)]
     if not layers:
         raise ValueError("calibrate: the model has no fp8 layers (load it with quantization='fp8')")
     amax = {id(layer): torch.zeros((), dtype=torch.float32) for layer in layers}
