@@ -27,6 +27,7 @@ from compilelm.runtime.executor import Executor
 from compilelm.runtime.kv_cache_manager import KVCacheManager
 from compilelm.runtime.request import Request, RequestStatus
 from compilelm.runtime.scheduler import Scheduler, SchedulerOutput
+from compilelm.runtime.structured_output import GuidanceBackend, RequestGrammar
 from compilelm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("compilelm")
@@ -140,6 +141,7 @@ class LLMEngine:
         self.extra_eos_ids = [t for t in dict.fromkeys((*self.model_config.eos_token_ids,
                                                         *self.generation_defaults.eos_token_ids))
                               if t != self.eos_token_id]
+        self._structured_output: GuidanceBackend | None = None
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         # Everything alive now (modules, graphs, the model, the block pool) leaves the garbage
@@ -159,6 +161,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stops the other tensor-parallel ranks (also done at interpreter exit)."""
+        if self._structured_output is not None:
+            self._structured_output.shutdown()
         self.executor.shutdown()
 
     # -- requests ------------------------------------------------------------------------------
@@ -174,6 +178,8 @@ class LLMEngine:
         else:
             text, token_ids = None, list(prompt)
         self.validate_prompt(token_ids, params)
+        if params.structured_outputs is not None:  # a GrammarError (ValueError) before anything is added
+            self.structured_output.compile(params.structured_outputs)
         parent = _Parent(request_id, text, token_ids, params.output_kind)
         for i in range(params.n):
             child_params = params
@@ -187,6 +193,9 @@ class LLMEngine:
                     child_params.stop_token_ids += self.extra_eos_ids
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(child_id, token_ids, child_params, self.eos_token_id, arrival_time)
+            if params.structured_outputs is not None:
+                req.grammar = RequestGrammar(self.structured_output.matcher(params.structured_outputs),
+                                             self.structured_output)
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
                                            params.spaces_between_special_tokens)
             child = _Child(req, i, detok, [] if params.logprobs is not None else None)
@@ -200,6 +209,14 @@ class LLMEngine:
         for child in parent.children:
             self.scheduler.add_request(child.request)
         return request_id
+
+    @property
+    def structured_output(self) -> GuidanceBackend:
+        """The grammar backend (made on first use: most engines never constrain an output)."""
+        if self._structured_output is None:
+            self._structured_output = GuidanceBackend(self.tokenizer, self.model_config.vocab_size,
+                                                      [self.eos_token_id, *self.extra_eos_ids])
+        return self._structured_output
 
     def default_sampling_params(self) -> dict:
         """SamplingParams fields from the model's generation config (--generation-config): what a
@@ -247,7 +264,14 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()  # (N+1)
         launched = None
         if sched_out.scheduled:
-            launched = (sched_out, self.executor.execute_model_async(sched_out))
+            if self._in_flight is not None and _samples_a_grammar(sched_out):
+                # N+1's forward runs while N's tokens come back and its grammars accept them;
+                # then N+1's masks are filled and it samples (only its sampling waited)
+                forward = self.executor.launch_forward(sched_out)
+                outputs = self._process_in_flight()
+                launched = (sched_out, self.executor.sample_async(sched_out, *forward))
+            else:
+                launched = (sched_out, self.executor.execute_model_async(sched_out))
         if self._in_flight is not None:
             outputs = self._process_in_flight()  # N, while N+1 runs
         self._in_flight = launched
@@ -355,3 +379,7 @@ class LLMEngine:
             "prefix_cache_queries": pc.queries,
             "prefix_cache_hits": pc.hits,
         }
+
+
+def _samples_a_grammar(sched_out: SchedulerOutput) -> bool:
+    return any(sr.do_sample and sr.request.grammar is not None for sr in sched_out.scheduled)
