@@ -7,6 +7,8 @@ import json
 import logging
 
 from compilelm.entrypoints.engine_args import ArgError, add_engine_args, engine_config_from_args
+from compilelm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+from compilelm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("compilelm")
 
@@ -42,6 +44,15 @@ def add_parser(sub) -> None:
                    help="accepted for vLLM command lines (requests are not logged unless --enable-log-requests)")
     g.add_argument("--max-log-len", type=int, default=None,
                    help="with --enable-log-requests: at most this many prompt characters / ids per line")
+    tools = p.add_argument_group("tool calling and reasoning (vLLM's flags)")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='tool_choice "auto" (the default when a request has tools): the model decides, '
+                            "--tool-call-parser reads its calls")
+    tools.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help=f"how the model writes tool calls: {', '.join(sorted(TOOL_PARSERS))} (Qwen2.5/Qwen3: "
+                            "hermes; Qwen3-Coder: qwen3_coder; Llama 3.1+: llama3_json)")
+    tools.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                       help=f"split <think>...</think> into reasoning_content: {', '.join(sorted(REASONING_PARSERS))}")
     cors = p.add_argument_group("CORS (as vLLM: every origin allowed by default)")
     cors.add_argument("--allowed-origins", type=_json_list("--allowed-origins"), default=["*"], metavar="JSON")
     cors.add_argument("--allowed-methods", type=_json_list("--allowed-methods"), default=["*"], metavar="JSON")
@@ -76,6 +87,14 @@ def _check_server_args(args: argparse.Namespace) -> None:
     for key in args.api_key or []:
         if not key:
             raise ArgError("--api-key: must not be empty")
+    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSERS:
+        raise ArgError(f"--tool-call-parser: unknown parser {args.tool_call_parser!r} (choose from "
+                       f"{', '.join(sorted(TOOL_PARSERS))})")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ArgError("--enable-auto-tool-choice needs --tool-call-parser")
+    if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSERS:
+        raise ArgError(f"--reasoning-parser: unknown parser {args.reasoning_parser!r} (choose from "
+                       f"{', '.join(sorted(REASONING_PARSERS))})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,7 +113,11 @@ def run(args: argparse.Namespace) -> int:
     check_cuda_device(config.torch_device())  # a GPU the kernels were not built for: now, not at a request
     names = args.served_model_name or [source.name]
     async_engine = AsyncLLMEngine(lambda: LLMEngine(config), max_queue_len=args.max_queue_len)
-    state = ServerState(async_engine, names)
+    state = ServerState(async_engine, names, reasoning_parser=args.reasoning_parser,
+                        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+    if args.tool_call_parser is not None and not args.enable_auto_tool_choice:
+        logger.warning("--tool-call-parser %s without --enable-auto-tool-choice: tool_choice \"auto\" is refused "
+                       "(required and named choices do not need a parser)", args.tool_call_parser)
     if args.enable_log_requests:
         from compilelm.entrypoints.openai.request_logger import RequestLogger
         state.request_logger = RequestLogger(args.max_log_len)
