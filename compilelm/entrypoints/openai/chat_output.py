@@ -51,6 +51,8 @@ class ChoiceOutput:
             content, calls = parsed.content, parsed.calls[:1] if self.single_call else parsed.calls
         while len(self._ids) < len(calls):
             self._ids.append(tool_call_id())
+        if not content.strip() and (not final or calls or reasoning is not None):
+            content = ""  # whitespace alone: held back, and dropped beside reasoning or calls
         return ParsedMessage(reasoning, content, [
             ToolCall(id=i, function=FunctionCall(name=c.name, arguments=c.arguments))
             for i, c in zip(self._ids, calls)])
