@@ -10,9 +10,10 @@ import json
 
 from compilelm.sampling_params import StructuredOutputsParams
 
-# JSON whitespace allowed between two tokens of the value: enough for pretty-printing a few
-# levels deep, never an endless run (a model at temperature 0 can otherwise loop on "\n")
-JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,24}"
+# JSON whitespace allowed between two tokens of the value: a few spaces, or one line break and an
+# indent (pretty-printing up to 5 levels of 4), never an endless run (a small model at temperature
+# 0 otherwise loops on "\n" until max_tokens)
+JSON_WHITESPACE = r"(?:[\x20\x09]{0,4}|\x0A[\x20\x09]{0,20})"
 
 
 class GrammarError(ValueError):
