@@ -53,10 +53,7 @@ class GuidanceBackend:
 
         tokenizer = self.ll_tokenizer()
         grammar = grammar_text(params)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-        if is_error:
-            raise GrammarError(_first_line(messages[0]) if messages else "the grammar does not compile")
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)  # compiles without the GIL
         if matcher.is_error():
             raise GrammarError(_first_line(matcher.get_error()))
         with self._lock:
