@@ -265,11 +265,12 @@ class LLMEngine:
         launched = None
         if sched_out.scheduled:
             if self._in_flight is not None and _samples_a_grammar(sched_out):
-                # N+1's forward runs while N's tokens come back and its grammars accept them;
-                # then N+1's masks are filled and it samples (only its sampling waited)
+                # N+1's forward runs while N's tokens come back and the grammars accept them;
+                # N+1's masks are filled and its sampling launched before N's other host work
                 forward = self.executor.launch_forward(sched_out)
-                outputs = self._process_in_flight()
+                self._accept_grammar_tokens(self._in_flight[1].get())
                 launched = (sched_out, self.executor.sample_async(sched_out, *forward))
+                outputs = self._process_in_flight()
             else:
                 launched = (sched_out, self.executor.execute_model_async(sched_out))
         if self._in_flight is not None:
@@ -280,6 +281,16 @@ class LLMEngine:
     def _must_sync(self) -> bool:
         """A request with a token in flight whose next sample needs that token on the host."""
         return any(r.num_output_placeholders and needs_host_state(r) for r in self._host_state.values())
+
+    @staticmethod
+    def _accept_grammar_tokens(step_out) -> None:
+        """The constrained requests' tokens of a step, into their grammars (ahead of the scheduler)."""
+        if step_out.sampler_output is None:
+            return
+        for req, token in zip(step_out.sampled, step_out.sampler_output.token_ids):
+            if req.grammar is not None and not req.is_finished and not req.grammar.accept(
+                    token, req.num_output_tokens, req.request_id):
+                req.grammar = None
 
     def _process_in_flight(self) -> list[RequestOutput]:
         sched_out, launched = self._in_flight

@@ -141,9 +141,10 @@ class Scheduler:
                 continue
             # (a request preempted after this step was scheduled still gets its token)
             token = sampled[request.request_id]
-            request.append_output_token(token)
-            if request.grammar is not None and not request.grammar.accept(token, request.request_id):
+            if request.grammar is not None and not request.grammar.accept(token, request.num_output_tokens,
+                                                                          request.request_id):
                 request.grammar = None  # refused (logged): unconstrained from here on
+            request.append_output_token(token)
             got_token.append(request)
             status = self._check_stop(request)
             if status is not None:

@@ -2,9 +2,11 @@
 
 The mask of step N+1 needs the token of step N accepted first. Synchronous steps accept it in
 `Scheduler.update_from_output`, before the next schedule. Under async scheduling the engine
-launches step N+1's forward, then processes step N (which accepts its tokens), and only then
-fills the masks and samples N+1 (engine.py): a constrained row waits for its own previous token,
-never for anything else, and unconstrained requests keep running ahead.
+launches step N+1's forward, waits for step N's sampled ids (ready before that forward starts),
+accepts the constrained requests' tokens, fills the masks and launches N+1's sampling, and only
+then does the rest of step N's host work, while the device runs (engine.py): a constrained row
+waits for its own previous token, never for anything else, and unconstrained requests keep
+running ahead.
 """
 
 from __future__ import annotations
@@ -31,9 +33,13 @@ class RequestGrammar:
     def failed(self) -> bool:
         return self.matcher.is_error()
 
-    def accept(self, token_id: int, request_id: str) -> bool:
-        """Advance by one sampled token. A token the grammar refuses (only possible if it was not
-        masked) leaves the matcher in error: logged, and the request is no longer constrained."""
+    def accept(self, token_id: int, index: int, request_id: str) -> bool:
+        """Advance by the request's output token number `index` (a token already accepted is
+        skipped: async scheduling accepts a step's tokens before the scheduler sees them). A token
+        the grammar refuses (only possible if it was not masked) leaves the matcher in error:
+        logged, and the request is no longer constrained."""
+        if index < self.num_accepted:
+            return True
         if self.matcher.consume_token(token_id):
             self.num_accepted += 1
             return True
