@@ -143,3 +143,29 @@ def test_constrained_outputs_follow_their_grammar_sync_and_async(engines):
     # async: every step's tokens were processed after the next step's forward was launched
     # (the last updates come after the last forward)
     assert all(runs > k + 1 for k, runs in enumerate(updates[:-2])), updates
+
+
+def test_structural_tag_constrains_only_inside_its_tags(engines):
+    tag = json.dumps({"structures": [{"begin": "<function=get_weather>", "end": "</function>", "schema": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+        "additionalProperties": False}}], "triggers": ["<function="]})
+    backend, tok = engines[0].structured_output, engines[0].tokenizer
+
+    def accepts(text: str) -> bool:
+        matcher = backend.matcher(S(structural_tag=tag))
+        ids = tok.encode(text, add_special_tokens=False)
+        return matcher.try_consume_tokens(ids) == len(ids)
+
+    assert accepts('Sure. <function=get_weather>{"city": "Paris"}</function> Anything else?')
+    assert accepts("No tool needed here.")
+    assert not accepts('<function=get_weather>{"town": "Paris"}</function>')
+    assert not accepts("<function=get_time>{}</function>")
+
+
+def test_disable_any_whitespace_gives_compact_json(engines):
+    schema = S(json=SCHEMA, disable_any_whitespace=True)
+    outs, _ = _run(engines[1], [(f"c{i}", "JSON:", SamplingParams(temperature=1.0, seed=i, max_tokens=80,
+                                                                   structured_outputs=schema)) for i in range(3)])
+    for _, text, reason in outs.values():
+        assert reason == "stop" and text == json.dumps(json.loads(text), separators=(",", ":"),
+                                                       ensure_ascii=False), text
