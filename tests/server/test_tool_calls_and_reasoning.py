@@ -132,3 +132,15 @@ def test_parallel_tool_calls_false_keeps_one_call_and_reasoning_streams_in_piece
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert [d.model_extra.get("reasoning_content") for d in deltas if d.model_extra.get("reasoning_content")]
     assert sum(len(d.tool_calls or []) for d in deltas) == 1
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_a_400_not_a_crash(srv, client):
+    """The scripted model's word-level tokenizer (a WordPiece decoder) is not one llguidance reads:
+    the server still starts, and a constrained request is refused, naming the field."""
+    import httpx
+    r = httpx.post(f"{srv.url}/v1/chat/completions", json={"messages": QUESTION, "tools": TOOLS,
+                                                           "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert "cannot use this tokenizer" in r.json()["error"]["message"]
+    assert client.chat.completions.create(model=client.models.list().data[0].id, messages=QUESTION,
+                                          max_tokens=3).choices  # still serving

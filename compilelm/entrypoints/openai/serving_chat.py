@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from compilelm.entrypoints.openai.chat_output import ChoiceOutput
 from compilelm.entrypoints.openai.errors import OpenAIError, bad_request, sse_error_event
@@ -59,9 +59,7 @@ class ChatJob:
     prompt_ids: list[int]
     stream: RequestStream
     tool_mode: str  # "none", "auto", "required" or "named"
-
-    def __post_init__(self):
-        self.outputs: list[ChoiceOutput] = []
+    outputs: list[ChoiceOutput] = field(default_factory=list)  # one per choice (n)
 
 
 class OpenAIServingChat(OpenAIServing):

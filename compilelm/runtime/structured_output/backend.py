@@ -71,9 +71,15 @@ class GuidanceBackend:
         return self.compile(params).deep_copy()
 
     def ll_tokenizer(self):
+        """llguidance's view of the tokenizer (raises GrammarError for one it cannot read)."""
         with self._lock:
             if self._ll_tokenizer is None:
-                self._ll_tokenizer = _ll_tokenizer(self._tokenizer, self.vocab_size, self.eos_token_ids)
+                try:
+                    self._ll_tokenizer = _ll_tokenizer(self._tokenizer, self.vocab_size, self.eos_token_ids)
+                except GrammarError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - e.g. a decoder llguidance does not model
+                    raise GrammarError(f"structured outputs cannot use this tokenizer: {e}") from e
             return self._ll_tokenizer
 
     @property
