@@ -15,7 +15,7 @@ streams already running.
    them), each one's time to first token, and the schema's compile time on its own (what an
    engine thread that compiled it would stall every stream for).
 
-    python benchmarks/bench_structured.py        # GPU: the default model, compiled, 64 requests, 8 streams
+    python benchmarks/bench_structured.py        # GPU: the default model's shape, compiled, 64 requests, 8 streams
     python benchmarks/bench_structured.py --enforce-eager --num-requests 16 --input-len 32 --output-len 32 \\
         --streams 4 --stream-len 64 --arrive-after 16   # CPU size
 """
@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 
@@ -62,11 +65,34 @@ def big_schema(fields: int, salt: str) -> dict:
     return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
 
 
+def resolve_model_and_tokenizer(args) -> None:
+    """Without --model: the default model where its package is installed, else (the GPU machine has
+    none) its shape with random weights, `dummy:smollm2-135m`, and its tokenizer from
+    benchmarks/data (the grammars need a real vocabulary; the work does not depend on the weights)."""
+    if args.model is not None:
+        return
+    from compilelm.models.loader import default_model_path
+    try:
+        default_model_path()
+        return
+    except FileNotFoundError:
+        pass
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "smollm2_tokenizer")
+    folder = tempfile.mkdtemp(prefix="smollm2_tokenizer_")
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(src, name), folder)
+    with gzip.open(os.path.join(src, "tokenizer.json.gz"), "rb") as f, \
+            open(os.path.join(folder, "tokenizer.json"), "wb") as out:
+        shutil.copyfileobj(f, out)
+    args.model, args.tokenizer = "dummy:smollm2-135m", args.tokenizer or folder
+
+
 def bench_throughput(args) -> list[dict]:
     from compilelm import LLM, SamplingParams
     from compilelm.sampling_params import StructuredOutputsParams
 
-    llm = LLM(args.model, enforce_eager=args.enforce_eager, max_model_len=args.input_len + args.output_len + 16,
+    llm = LLM(args.model, tokenizer=args.tokenizer, enforce_eager=args.enforce_eager,
+              max_model_len=args.input_len + args.output_len + 16,
               max_num_seqs=max(args.num_requests, 8), max_num_batched_tokens=max(2048, args.input_len * 8))
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(0)
@@ -164,7 +190,7 @@ async def bench_new_schema(url: str, args) -> dict:
     from compilelm.runtime.structured_output import GuidanceBackend
     from compilelm.sampling_params import StructuredOutputsParams
 
-    tok = load_tokenizer(resolve_model(args.model))
+    tok = load_tokenizer(resolve_model(args.model), args.tokenizer)
     backend = GuidanceBackend(tok, len(tok), [tok.eos_token_id])
     backend.ll_tokenizer()
     t0 = time.perf_counter()
@@ -178,7 +204,9 @@ async def bench_new_schema(url: str, args) -> dict:
 def main(argv=None) -> dict:
     gpu = torch.cuda.is_available()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M-Instruct), or its "
+                    "shape with random weights and its tokenizer (benchmarks/data) where it is not installed")
+    ap.add_argument("--tokenizer", default=None, help="a tokenizer folder (--tokenizer of the engine)")
     ap.add_argument("--num-requests", type=int, default=64 if gpu else 16)
     ap.add_argument("--input-len", type=int, default=128 if gpu else 32)
     ap.add_argument("--output-len", type=int, default=256 if gpu else 32)
@@ -194,6 +222,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip-new-schema", action="store_true")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench_structured[_gpu].json)")
     args = ap.parse_args(argv)
+    resolve_model_and_tokenizer(args)
     payload: dict = {"args": vars(args)}
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"bench_structured{'_gpu' if gpu else ''}.json")
@@ -203,7 +232,8 @@ def main(argv=None) -> dict:
         write_result("bench_structured", payload, out)
     if not args.skip_new_schema:
         server_args = args.server_args or " ".join(
-            [args.model or "", "--max-model-len 2048", "--enforce-eager" if args.enforce_eager else ""])
+            [args.model or "", f"--tokenizer {args.tokenizer}" if args.tokenizer else "", "--max-model-len 2048",
+             "--enforce-eager" if args.enforce_eager else ""])
         proc, url = launch(server_args)
         try:
             row = payload["new_schema"] = asyncio.run(bench_new_schema(url, args))
