@@ -115,8 +115,7 @@ def _ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids: list[int]):
 
 
 def _key(params: StructuredOutputsParams) -> str:
-    value = params.json if isinstance(params.json, str) else params.json
-    return json.dumps([params.kind, value, params.regex, params.choice, params.grammar, params.structural_tag,
+    return json.dumps([params.kind, params.json, params.regex, params.choice, params.grammar, params.structural_tag,
                        params.disable_any_whitespace, params.disable_additional_properties,
                        params.whitespace_pattern], sort_keys=True, default=str)
 
