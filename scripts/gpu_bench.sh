@@ -77,7 +77,7 @@ else
   structured_args=()  # 64 requests x 256 tokens, 3 runs a mode; 8 streams across a new schema (two engine starts)
   # (passes: 11 cases, 14 engines, two of them Llama-3.1-8B (~50 s each to build); 3 rounds each)
   declare -A limit=([decode]=330 [throughput]=330 [compile]=220 [passes]=270 [attention]=25 [skinny]=90
-                    [structured]=360)
+                    [structured]=480)
 fi
 
 run() {  # run NAME SCRIPT ARGS...: log to $OUT/NAME.log, JSON to $OUT/<script's name>.json
