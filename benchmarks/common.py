@@ -153,6 +153,16 @@ def summary(out_dir: str) -> list[dict]:
         s = d.get("summary", {})
         add("attention", "paged decode, min % of copy bw", f"{s.get('min_pct_of_copy_bw_at_target_sizes', 0):.1f}%",
             s.get("target", ""), s.get("target_met"))
+    if d := load("bench_structured_gpu") or load("bench_structured"):
+        rows_t = d.get("throughput") or []
+        if len(rows_t) == 2:
+            add("structured", "1 in 8 constrained / none", f"{rows_t[1]['ratio']:.3f}",
+                f"{rows_t[0]['output_tok_s']:.0f} -> {rows_t[1]['output_tok_s']:.0f} out tok/s; target >= 0.90",
+                rows_t[1]["ratio"] >= 0.90)
+        if n := d.get("new_schema"):
+            add("structured", "ITL max across a new schema", f"{n['schema_itl_across_arrival_max_ms']} ms",
+                f"plain request {n['plain_itl_across_arrival_max_ms']} ms; median {n['itl_before_median_ms']} ms; "
+                f"compile {n['schema_compile_ms']} ms")
     try:
         with open(os.path.join(out_dir, "timings.txt")) as f:
             for line in f:

@@ -20,6 +20,58 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2  # random, drawn from the request's own generator
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's `structured_outputs`): exactly one of `json` (a JSON
+    schema, as a dict or its text), `regex`, `choice` (the output is one of the strings),
+    `grammar` (Lark or GBNF), `json_object` (any JSON object) or `structural_tag` (JSON text:
+    tagged regions of free text, `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`).
+
+    Whitespace inside JSON: at most `_JSON_WHITESPACE` between tokens by default (a model cannot
+    loop on whitespace), none with `disable_any_whitespace`, or `whitespace_pattern` (a regex).
+    `disable_additional_properties` closes every object schema that does not say otherwise.
+    Only the shape is checked here; whether a schema or grammar compiles is the structured-output
+    backend's check (runtime/structured_output/)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError(f"structured_outputs.choice must be a list of strings, got {self.choice!r}")
+            if not self.choice:
+                raise ValueError("structured_outputs.choice must not be empty")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (object or text), got {self.json!r}")
+        for name in ("regex", "grammar", "structural_tag", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"structured_outputs.{name} must be a string, got {value!r}")
+        kinds = self.kinds
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, "
+                             f"json_object, structural_tag; got {', '.join(kinds) or 'none'}")
+
+    @property
+    def kinds(self) -> list[str]:
+        """The constraint fields that are set (one, once validated)."""
+        return [k for k in ("json", "regex", "choice", "grammar", "structural_tag")
+                if getattr(self, k) is not None] + (["json_object"] if self.json_object else [])
+
+    @property
+    def kind(self) -> str:
+        return self.kinds[0]
+
+
 class RequestOutputKind(enum.IntEnum):
     """Which RequestOutputs `LLMEngine.step()` returns for a request (vLLM's names)."""
 
@@ -49,8 +101,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     # Each is called as fn(output_token_ids, logits_row) -> logits_row before sampling
-    # (e.g. the server's JSON mode masks tokens that cannot continue valid JSON).
+    # (e.g. the server's logit_bias); they make the request's steps synchronous.
     logits_processors: list | None = None
+    # a grammar the output must follow, enforced with a token mask every step
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -60,6 +114,10 @@ class SamplingParams:
         self.logits_processors = list(self.logits_processors or [])
         if not all(callable(f) for f in self.logits_processors):
             raise ValueError("logits_processors must be a list of callables")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         _check_int("n", self.n, lo=1)

@@ -2,14 +2,15 @@
 # The GPU benchmarks on the GPU machine: build the CUDA extension (skipped when compilelm/_C for
 # this Python is already there), then bench_decode, bench_throughput, bench_compile (GPU mode),
 # bench_passes (GPU mode) and bench_attention, one after another (bench_skinny_mm only when named:
-# `skinny`). Each writes its JSON into $OUT
+# `skinny`; bench_structured only when named: `structured`). Each writes its JSON into $OUT
 # (the device tool brings that folder back; else /tmp/gpu_bench) and appends its log to
 # $OUT/logs.txt (few files: the tool brings back at most 8), and is capped by a timeout; the
 # elapsed time of each is printed, and one summary table comes last. All five take ~17 minutes on
 # an H100, more than one device call may run: split them, e.g. `decode passes attention` and
 # `throughput compile`.
 #
-#   bash scripts/gpu_bench.sh [decode throughput compile passes attention skinny]   (default: all but skinny)
+#   bash scripts/gpu_bench.sh [decode throughput compile passes attention skinny structured]
+#                                                   (default: all but skinny and structured)
 #   QUICK=1 bash scripts/gpu_bench.sh [...]   # tiny sizes: a crash test of the script (~5 min in all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,7 +57,9 @@ if [ "$QUICK" = 1 ]; then
                --steps 4 --prefill 256 --rounds 1)
   attention_args=(--batches 1 64 --contexts 512 4096 --iters 5)
   skinny_args=(--rows 1 4 --iters 5)
-  declare -A limit=([decode]=60 [throughput]=100 [compile]=100 [passes]=120 [attention]=30 [skinny]=60)
+  structured_args=(--num-requests 16 --output-len 32 --repeats 1 --streams 2 --stream-len 128 --arrive-after 16)
+  declare -A limit=([decode]=60 [throughput]=100 [compile]=100 [passes]=120 [attention]=30 [skinny]=60
+                    [structured]=200)
 else
   # Sized from H100 runs: build ~50 s; an engine start ~35 s (135M, 30 layers) to ~60 s (8B, dummy
   # weights drawn on the host); HF generate ~25-75 ms per step, so one batch of 64 requests of the
@@ -71,8 +74,10 @@ else
   passes_args=(--device cuda --iters 20 --piece-layers 1 --layers 4 --steps 16 --rounds 3)
   attention_args=(--batches 1 16 64 256 --contexts 512 2048 8192 --iters 20)
   skinny_args=(--rows 1 2 4 16 64)  # above 2 rows: the Triton GEMM on the large weights
+  structured_args=()  # 64 requests x 256 tokens, 3 runs a mode; 8 streams across a new schema (two engine starts)
   # (passes: 11 cases, 14 engines, two of them Llama-3.1-8B (~50 s each to build); 3 rounds each)
-  declare -A limit=([decode]=330 [throughput]=330 [compile]=220 [passes]=270 [attention]=25 [skinny]=90)
+  declare -A limit=([decode]=330 [throughput]=330 [compile]=220 [passes]=270 [attention]=25 [skinny]=90
+                    [structured]=480)
 fi
 
 run() {  # run NAME SCRIPT ARGS...: log to $OUT/NAME.log, JSON to $OUT/<script's name>.json
@@ -98,6 +103,7 @@ for b in "${benches[@]}"; do
     passes) run passes benchmarks/bench_passes.py bench_passes_gpu "${passes_args[@]}" ;;
     attention) run attention benchmarks/bench_attention.py bench_attention "${attention_args[@]}" ;;
     skinny) run skinny benchmarks/bench_skinny_mm.py bench_skinny_mm "${skinny_args[@]}" ;;
+    structured) run structured benchmarks/bench_structured.py bench_structured_gpu "${structured_args[@]}" ;;
     *) echo "unknown benchmark $b"; exit 2 ;;
   esac
 done

@@ -73,3 +73,49 @@ def hf_cache_repo(hub: Path, repo_id: str, src: Path, commit: str = "a" * 40, re
         (repo / "refs").mkdir(exist_ok=True)
         (repo / "refs" / ref).write_text(commit)
     return snap
+
+
+def scripted_llama(path: Path, words: list[str], script: dict[str, str]) -> Path:
+    """A Llama whose greedy next token depends only on the current one: `script[word]` follows
+    `word` (EOS `</s>` follows any word the script does not name), with a word-level tokenizer
+    over SPECIALS + `words`. Built by hand: one-hot embeddings, every layer's projections zero
+    (attention and MLP add nothing to the residual stream), an LM head that maps each one-hot
+    to its successor, so that text comes out exactly as scripted, on any backend."""
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = [*SPECIALS, *words]
+    index = {w: i for i, w in enumerate(vocab)}
+    v = len(vocab)
+    hidden = max(32, -(-v // 8) * 8)
+    layers, heads, kv_heads, inter = 1, 4, 2, 64
+    head_dim = hidden // heads
+    lm_head = torch.zeros(v, hidden)
+    for i, w in enumerate(vocab):
+        lm_head[index[script.get(w, "</s>")], i] = 1.0
+    tensors = {"model.embed_tokens.weight": torch.eye(v, hidden), "model.norm.weight": torch.ones(hidden),
+               "lm_head.weight": lm_head}
+    shapes = {"self_attn.q_proj": (heads * head_dim, hidden), "self_attn.k_proj": (kv_heads * head_dim, hidden),
+              "self_attn.v_proj": (kv_heads * head_dim, hidden), "self_attn.o_proj": (hidden, heads * head_dim),
+              "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter)}
+    for layer in range(layers):
+        for name, shape in shapes.items():
+            tensors[f"model.layers.{layer}.{name}.weight"] = torch.zeros(shape)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"model.layers.{layer}.{norm}.weight"] = torch.ones(hidden)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": v, "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+        "torch_dtype": "float32"}))
+    tok = Tokenizer(models.WordLevel(index, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "additional_special_tokens": ["<|eot|>"]}))
+    return path

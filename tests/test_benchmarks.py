@@ -212,3 +212,20 @@ def test_vs_vllm_ratio_direction():
             {"engine": "vllm", "model": "m", "decode_ms b1 c1000": 5.0, "prefill_tok_s 16x2000": 40.0}]
     adv = {r["metric"]: r["compilelm_advantage"] for r in bench_vs_vllm.ratios(rows)}
     assert adv == {"decode_ms b1 c1000": 1.25, "prefill_tok_s 16x2000": 0.75}
+
+
+def test_structured_cpu_smoke(tmp_path):
+    """bench_structured's throughput half on CPU: both batches generate every token, the summary
+    reads the ratio."""
+    from benchmarks import bench_structured
+    from benchmarks.common import summary
+
+    out = tmp_path / "bench_structured.json"
+    payload = bench_structured.main(["--enforce-eager", "--num-requests", "8", "--input-len", "8", "--output-len",
+                                     "6", "--repeats", "1", "--skip-new-schema", "--out", str(out)])
+    rows = payload["throughput"]
+    assert [r["constrained"] for r in rows] == [0, 1] and rows[1]["ratio"] > 0
+    saved = json.loads(out.read_text())
+    assert saved["benchmark"] == "bench_structured" and saved["env"]["torch"]
+    assert [r["case"] for r in summary(str(tmp_path)) if r["benchmark"] == "structured"] == [
+        "1 in 8 constrained / none"]

@@ -78,3 +78,14 @@ def test_engine_freezes_startup_objects():
         assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 2
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--enable-auto-tool-choice", "--tool-call-parser", "nope"], "--tool-call-parser: unknown parser 'nope'"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+    (["--reasoning-parser", "o1"], "--reasoning-parser: unknown parser 'o1' (choose from deepseek_r1, qwen3)"),
+])
+def test_serve_names_a_bad_parser_before_loading(args, message):
+    r = _cli("serve", "dummy:smollm2-135m", "--port", "1", *args)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

@@ -7,6 +7,8 @@ import json
 import logging
 
 from compilelm.entrypoints.engine_args import ArgError, add_engine_args, engine_config_from_args
+from compilelm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+from compilelm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("compilelm")
 
@@ -42,6 +44,15 @@ def add_parser(sub) -> None:
                    help="accepted for vLLM command lines (requests are not logged unless --enable-log-requests)")
     g.add_argument("--max-log-len", type=int, default=None,
                    help="with --enable-log-requests: at most this many prompt characters / ids per line")
+    tools = p.add_argument_group("tool calling and reasoning (vLLM's flags)")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='tool_choice "auto" (the default when a request has tools): the model decides, '
+                            "--tool-call-parser reads its calls")
+    tools.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help=f"how the model writes tool calls: {', '.join(sorted(TOOL_PARSERS))} (Qwen2.5/Qwen3: "
+                            "hermes; Qwen3-Coder: qwen3_coder; Llama 3.1+: llama3_json)")
+    tools.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                       help=f"split <think>...</think> into reasoning_content: {', '.join(sorted(REASONING_PARSERS))}")
     cors = p.add_argument_group("CORS (as vLLM: every origin allowed by default)")
     cors.add_argument("--allowed-origins", type=_json_list("--allowed-origins"), default=["*"], metavar="JSON")
     cors.add_argument("--allowed-methods", type=_json_list("--allowed-methods"), default=["*"], metavar="JSON")
@@ -76,6 +87,28 @@ def _check_server_args(args: argparse.Namespace) -> None:
     for key in args.api_key or []:
         if not key:
             raise ArgError("--api-key: must not be empty")
+    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSERS:
+        raise ArgError(f"--tool-call-parser: unknown parser {args.tool_call_parser!r} (choose from "
+                       f"{', '.join(sorted(TOOL_PARSERS))})")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ArgError("--enable-auto-tool-choice needs --tool-call-parser")
+    if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSERS:
+        raise ArgError(f"--reasoning-parser: unknown parser {args.reasoning_parser!r} (choose from "
+                       f"{', '.join(sorted(REASONING_PARSERS))})")
+
+
+def _engine(config):
+    """The engine, and its grammar backend's tokenizer (0.3 s for a 49k vocabulary, holding the GIL:
+    built now, so that the first structured request does not stall every stream for it)."""
+    from compilelm.runtime.engine import LLMEngine
+    from compilelm.runtime.structured_output import GrammarError
+
+    engine = LLMEngine(config)
+    try:
+        engine.structured_output.ll_tokenizer()
+    except GrammarError as e:  # e.g. no tokenizer.json: structured requests get a 400 saying so
+        logger.info("structured outputs unavailable: %s", e)
+    return engine
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,7 +117,6 @@ def run(args: argparse.Namespace) -> int:
     from compilelm.entrypoints.openai.serving_engine import ServerState
     from compilelm.models.loader import resolve_model
     from compilelm.runtime.async_engine import AsyncLLMEngine
-    from compilelm.runtime.engine import LLMEngine
 
     _check_server_args(args)
     config = engine_config_from_args(args, usage_context="openai_api_server")
@@ -93,8 +125,12 @@ def run(args: argparse.Namespace) -> int:
     from compilelm.ops.device_check import check_cuda_device
     check_cuda_device(config.torch_device())  # a GPU the kernels were not built for: now, not at a request
     names = args.served_model_name or [source.name]
-    async_engine = AsyncLLMEngine(lambda: LLMEngine(config), max_queue_len=args.max_queue_len)
-    state = ServerState(async_engine, names)
+    async_engine = AsyncLLMEngine(lambda: _engine(config), max_queue_len=args.max_queue_len)
+    state = ServerState(async_engine, names, reasoning_parser=args.reasoning_parser,
+                        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+    if args.tool_call_parser is not None and not args.enable_auto_tool_choice:
+        logger.warning("--tool-call-parser %s without --enable-auto-tool-choice: tool_choice \"auto\" is refused "
+                       "(required and named choices do not need a parser)", args.tool_call_parser)
     if args.enable_log_requests:
         from compilelm.entrypoints.openai.request_logger import RequestLogger
         state.request_logger = RequestLogger(args.max_log_len)

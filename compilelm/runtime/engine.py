@@ -27,6 +27,7 @@ from compilelm.runtime.executor import Executor
 from compilelm.runtime.kv_cache_manager import KVCacheManager
 from compilelm.runtime.request import Request, RequestStatus
 from compilelm.runtime.scheduler import Scheduler, SchedulerOutput
+from compilelm.runtime.structured_output import GuidanceBackend, RequestGrammar
 from compilelm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("compilelm")
@@ -144,6 +145,7 @@ class LLMEngine:
         self.extra_eos_ids = [t for t in dict.fromkeys((*self.model_config.eos_token_ids,
                                                         *self.generation_defaults.eos_token_ids))
                               if t != self.eos_token_id]
+        self._structured_output: GuidanceBackend | None = None
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         # Everything alive now (modules, graphs, the model, the block pool) leaves the garbage
@@ -163,6 +165,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stops the other tensor-parallel ranks (also done at interpreter exit)."""
+        if self._structured_output is not None:
+            self._structured_output.shutdown()
         self.executor.shutdown()
 
     # -- requests ------------------------------------------------------------------------------
@@ -178,6 +182,8 @@ class LLMEngine:
         else:
             text, token_ids = None, list(prompt)
         self.validate_prompt(token_ids, params)
+        if params.structured_outputs is not None:  # a GrammarError (ValueError) before anything is added
+            self.structured_output.compile(params.structured_outputs)
         parent = _Parent(request_id, text, token_ids, params.output_kind)
         for i in range(params.n):
             child_params = params
@@ -191,6 +197,9 @@ class LLMEngine:
                     child_params.stop_token_ids += self.extra_eos_ids
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(child_id, token_ids, child_params, self.eos_token_id, arrival_time)
+            if params.structured_outputs is not None:
+                req.grammar = RequestGrammar(self.structured_output.matcher(params.structured_outputs),
+                                             self.structured_output)
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
                                            params.spaces_between_special_tokens)
             child = _Child(req, i, detok, [] if params.logprobs is not None else None)
@@ -204,6 +213,14 @@ class LLMEngine:
         for child in parent.children:
             self.scheduler.add_request(child.request)
         return request_id
+
+    @property
+    def structured_output(self) -> GuidanceBackend:
+        """The grammar backend (made on first use: most engines never constrain an output)."""
+        if self._structured_output is None:
+            self._structured_output = GuidanceBackend(self.tokenizer, self.model_config.vocab_size,
+                                                      [self.eos_token_id, *self.extra_eos_ids])
+        return self._structured_output
 
     def default_sampling_params(self) -> dict:
         """SamplingParams fields from the model's generation config (--generation-config): what a
@@ -251,7 +268,15 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()  # (N+1)
         launched = None
         if sched_out.scheduled:
-            launched = (sched_out, self.executor.execute_model_async(sched_out))
+            if self._in_flight is not None and _samples_a_grammar(sched_out):
+                # N+1's forward runs while N's tokens come back and the grammars accept them;
+                # N+1's masks are filled and its sampling launched before N's other host work
+                forward = self.executor.launch_forward(sched_out)
+                self._accept_grammar_tokens(self._in_flight[1].get())
+                launched = (sched_out, self.executor.sample_async(sched_out, *forward))
+                outputs = self._process_in_flight()
+            else:
+                launched = (sched_out, self.executor.execute_model_async(sched_out))
         if self._in_flight is not None:
             outputs = self._process_in_flight()  # N, while N+1 runs
         self._in_flight = launched
@@ -260,6 +285,16 @@ class LLMEngine:
     def _must_sync(self) -> bool:
         """A request with a token in flight whose next sample needs that token on the host."""
         return any(r.num_output_placeholders and needs_host_state(r) for r in self._host_state.values())
+
+    @staticmethod
+    def _accept_grammar_tokens(step_out) -> None:
+        """The constrained requests' tokens of a step, into their grammars (ahead of the scheduler)."""
+        if step_out.sampler_output is None:
+            return
+        for req, token in zip(step_out.sampled, step_out.sampler_output.token_ids):
+            if req.grammar is not None and not req.is_finished and not req.grammar.accept(
+                    token, req.num_output_tokens, req.request_id):
+                req.grammar = None
 
     def _process_in_flight(self) -> list[RequestOutput]:
         sched_out, launched = self._in_flight
@@ -359,3 +394,7 @@ class LLMEngine:
             "prefix_cache_queries": pc.queries,
             "prefix_cache_hits": pc.hits,
         }
+
+
+def _samples_a_grammar(sched_out: SchedulerOutput) -> bool:
+    return any(sr.do_sample and sr.request.grammar is not None for sr in sched_out.scheduled)

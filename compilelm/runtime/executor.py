@@ -129,6 +129,15 @@ class Executor:
             raise RuntimeError("async scheduling needs tensor_parallel_size == 1")
         return self.driver.model_runner.execute_model_async(sched)
 
+    def launch_forward(self, sched: SchedulerOutput):
+        """ModelRunner.launch_forward (async scheduling: one rank only)."""
+        if self.conns:
+            raise RuntimeError("async scheduling needs tensor_parallel_size == 1")
+        return self.driver.model_runner.launch_forward(sched)
+
+    def sample_async(self, sched: SchedulerOutput, step, logits) -> AsyncStepOutput:
+        return self.driver.model_runner.sample_async(sched, step, logits)
+
     def shutdown(self) -> None:
         if self.conns and getattr(self, "driver", None) is not None:
             self.driver.release_graphs()  # before the group goes (every rank does the same)

@@ -37,6 +37,7 @@ from compilelm.runtime.async_step import AsyncStepOutput
 from compilelm.runtime.memory import engine_graph_sizes, graph_memory_estimate
 from compilelm.runtime.sampler import SampledTensors, Sampler, SamplerOutput, gather_logprobs
 from compilelm.runtime.scheduler import SchedulerOutput
+from compilelm.runtime.structured_output.bitmask import apply_token_bitmask, fill_token_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -311,8 +312,20 @@ class ModelRunner:
         """Launches one step (tensor_parallel_size 1) and returns before its sampled tokens reach
         the host: they are copied to pinned memory behind the step, and `AsyncStepOutput.get()`
         waits for them. Prompt logprobs (rare) are still gathered synchronously."""
+        return self.sample_async(sched, *self.launch_forward(sched))
+
+    @torch.inference_mode()
+    def launch_forward(self, sched: SchedulerOutput) -> tuple[StepInputs, torch.Tensor | None]:
+        """The first half of `execute_model_async`: the step's forward, launched; (inputs, logits).
+        The engine runs the host's work on the previous step in between (grammars accept its
+        tokens) before `sample_async` masks and samples these logits."""
         step = self.prepare_step(sched)
-        out, sampled = self._sample(sched, step, self.run_step(step))
+        return step, self.run_step(step)
+
+    @torch.inference_mode()
+    def sample_async(self, sched: SchedulerOutput, step: StepInputs, logits: torch.Tensor | None) -> AsyncStepOutput:
+        """The second half: sampling on the device, its ids copied back without waiting."""
+        out, sampled = self._sample(sched, step, logits)
         self.last_sampled = None if sampled is None else (
             sampled.token_ids, {r.request_id: i for i, r in enumerate(out.sampled)})
         return AsyncStepOutput(out, sampled)
@@ -327,8 +340,9 @@ class ModelRunner:
 
     def _sample(self, sched: SchedulerOutput, step: StepInputs,
                 logits: torch.Tensor | None) -> tuple[StepOutput, SampledTensors | None]:
-        """Prompt logprobs, then the logits processors and the sampler on the device for the
-        requests that need a token (their result still on the device, None if there are none)."""
+        """Prompt logprobs, then the logits processors, the grammar masks of constrained rows
+        (each grammar has accepted the request's tokens so far) and the sampler on the device
+        for the requests that need a token (their result still on the device, None if none)."""
         out = StepOutput([], None, {})
         if logits is None:
             return out, None
@@ -341,6 +355,14 @@ class ModelRunner:
             for fn in req.sampling_params.logits_processors:
                 logits = logits.float()  # fp32 rows for the user functions (a copy once, then a no-op)
                 logits[i] = fn(req.output_token_ids, logits[i])
+        constrained = [i for i, req in enumerate(out.sampled) if req.grammar is not None]
+        if constrained:  # host masks of those rows (while the device runs the forward), applied in one op
+            grammars = [out.sampled[i].grammar for i in constrained]
+            backend = grammars[0].backend
+            bitmask = fill_token_bitmask(backend.mask_executor(), [g.matcher for g in grammars], backend.mask_vocab,
+                                         pin=logits.is_cuda)
+            rows = torch.tensor(constrained, dtype=torch.int64, pin_memory=logits.is_cuda)
+            logits = apply_token_bitmask(logits, rows.to(logits.device, non_blocking=True), bitmask)
         greedy = None if self.greedy_ids is None else self.greedy_ids[:step.num_sampled]
         return out, self.sampler.sample_tensors(logits, out.sampled, greedy)
 

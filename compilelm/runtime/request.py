@@ -69,7 +69,10 @@ class Request:
         # greedy with nothing that reads or edits the logits row: the sampler's argmax-only path
         self.plain_greedy = bool(sampling_params.is_greedy and sampling_params.logprobs is None
                                  and not sampling_params.has_penalties and not sampling_params.min_tokens
-                                 and not sampling_params.logits_processors)
+                                 and not sampling_params.logits_processors
+                                 and sampling_params.structured_outputs is None)
+        # the RequestGrammar of a structured output (set by the engine), advanced by each sampled token
+        self.grammar = None
 
         seed = sampling_params.seed
         self.generator: torch.Generator | None = None

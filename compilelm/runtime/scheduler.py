@@ -140,7 +140,11 @@ class Scheduler:
             if request.is_finished:  # aborted or stopped after this step was scheduled: discarded
                 continue
             # (a request preempted after this step was scheduled still gets its token)
-            request.append_output_token(sampled[request.request_id])
+            token = sampled[request.request_id]
+            if request.grammar is not None and not request.grammar.accept(token, request.num_output_tokens,
+                                                                          request.request_id):
+                request.grammar = None  # refused (logged): unconstrained from here on
+            request.append_output_token(token)
             got_token.append(request)
             status = self._check_stop(request)
             if status is not None:
@@ -206,6 +210,8 @@ class Scheduler:
             if token in (params.stop_token_ids or ()):
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None and request.grammar.is_terminated:
+            return RequestStatus.FINISHED_STOPPED  # the constrained value is complete
         if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if request.num_tokens >= self.config.max_model_len:

@@ -75,11 +75,34 @@ CASES = [
     ("image content", "POST", CHAT, {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]}, {}, 400, None,
      "messages.0.content.0"),
-    ("json_schema format", "POST", CHAT, {"messages": MSG, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, {}, 400, None,
+    ("json_schema that does not compile", "POST", CHAT, {"messages": MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}}, {}, 400, None,
      "response_format"),
-    ("tools", "POST", CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {
-        "name": "f", "parameters": {}}}]}, {}, 400, None, "tools"),
+    ("json_schema without a schema", "POST", CHAT, {"messages": MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x"}}}, {}, 400, None, "response_format"),
+    ("regex that does not compile", "POST", CMPL, {"prompt": "hi", "structured_outputs": {"regex": "(a"}}, {}, 400,
+     None, "structured_outputs"),
+    ("guided_json not JSON", "POST", CMPL, {"prompt": "hi", "guided_json": "{oops"}, {}, 400, None, "guided_json"),
+    ("guided_grammar bad", "POST", CHAT, {"messages": MSG, "guided_grammar": "start: nowhere"}, {}, 400, None,
+     "guided_grammar"),
+    ("two structured outputs", "POST", CHAT, {"messages": MSG, "guided_regex": "a", "response_format": {
+        "type": "json_object"}}, {}, 400, None, "guided_regex"),
+    ("structured_outputs with two kinds", "POST", CMPL, {"prompt": "hi", "structured_outputs": {
+        "regex": "a", "choice": ["a"]}}, {}, 400, None, "structured_outputs"),
+    ("tools without --enable-auto-tool-choice", "POST", CHAT, {"messages": MSG, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {}}}]}, {}, 400, None, "tool_choice"),
+    ("named tool not in tools", "POST", CHAT, {"messages": MSG, "tools": [
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {
+            "name": "g"}}}, {}, 400, None, "tool_choice"),
+    ("tool_choice without tools", "POST", CHAT, {"messages": MSG, "tool_choice": "required"}, {}, 400, None,
+     "tool_choice"),
+    ("tool parameters not a schema", "POST", CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": 3}}}], "tool_choice": "required"}, {}, 400, None, "tools"),
+    ("tool without a name", "POST", CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {
+        "parameters": {}}}]}, {}, 400, None, "tools"),
+    ("named tool and response_format", "POST", CHAT, {"messages": MSG, "tools": [
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {
+            "name": "f"}}, "response_format": {"type": "json_object"}}, {}, 400, None, "response_format"),
     ("logit_bias bad key", "POST", CMPL, {"prompt": "hi", "logit_bias": {"abc": 1}}, {}, 400,
      None, "logit_bias"),
     ("logit_bias out of vocab", "POST", CMPL, {"prompt": "hi", "logit_bias": {"49152": 1}}, {},

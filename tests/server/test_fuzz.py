@@ -146,8 +146,9 @@ def test_schemathesis_batches_beyond_the_queue():
     """Completions on a server holding 4 sequences, with batches of up to 8 prompts x n = 3."""
     srv = dummy_server(max_num_seqs=2, max_queue_len=2)
     try:
-        # 60: the draws are derandomized, so a new request field reshuffles them; 40 left too few big batches
-        generated = _fuzz(srv.url, {}, {"/v1/completions"}, examples=60, batch_prompts=8)
+        # 80: the draws are derandomized, so a new request field reshuffles them (40, then 60 after the
+        # structured-output fields came, left too few big batches)
+        generated = _fuzz(srv.url, {}, {"/v1/completions"}, examples=80, batch_prompts=8)
     finally:
         srv.close()
     served = [seqs for _, status, seqs in generated if status == 200]

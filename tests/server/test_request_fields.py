@@ -1,4 +1,4 @@
-"""Request fields as vLLM treats them: unknown ones (guided_json, ...) are accepted, logged once per
+"""Request fields as vLLM treats them: unknown ones (vllm_xargs, ...) are accepted, logged once per
 name and listed in the response's Warning header; `chat_template_kwargs` reaches the template
 (Qwen3's enable_thinking); `priority` 0 is accepted and anything else refused as vLLM refuses it
 without priority scheduling."""
@@ -34,19 +34,19 @@ def http(srv):
 
 
 def test_unknown_fields_are_listed_and_logged_once(srv, http):
-    body = {"prompt": "the cat", "max_tokens": 2, "guided_json": {"type": "object"}, "mm_processor_kwargs": {}}
+    body = {"prompt": "the cat", "max_tokens": 2, "vllm_xargs": {"a": 1}, "mm_processor_kwargs": {}}
     for _ in range(2):
         r = http.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
         assert r.headers["warning"] == ('299 compilelm "The following fields were present in the request but '
-                                        'ignored: guided_json, mm_processor_kwargs"')
+                                        'ignored: vllm_xargs, mm_processor_kwargs"')
     with http.stream("POST", "/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2, "stream": True,
-            "guided_json": {}}) as r:
-        assert r.status_code == 200 and "guided_json" in r.headers["warning"]
+            "vllm_xargs": {}}) as r:
+        assert r.status_code == 200 and "vllm_xargs" in r.headers["warning"]
         r.read()
     lines = [line for line in srv.log().splitlines() if "present in the request but ignored" in line]
-    assert len(lines) == 1 and "guided_json" in lines[0] and "mm_processor_kwargs" in lines[0]
+    assert len(lines) == 1 and "vllm_xargs" in lines[0] and "mm_processor_kwargs" in lines[0]
     known = http.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 1, "priority": 0})
     assert known.status_code == 200 and "warning" not in known.headers
 

@@ -104,7 +104,7 @@ def build_app(state: ServerState, api_keys: list[str] | None = None, guard_metri
     @app.post("/v1/completions", responses=_json_or_sse(CompletionResponse))
     async def create_completion(body: CompletionRequest, raw: Request):
         headers = report_ignored(body)
-        job = completion.prepare(body)
+        job = await completion.prepare(body)
         if body.stream:
             return _sse(completion.stream(body, job), headers)
         resp = await _until_disconnect(raw, completion.complete(body, job))
@@ -113,10 +113,10 @@ def build_app(state: ServerState, api_keys: list[str] | None = None, guard_metri
     @app.post("/v1/chat/completions", responses=_json_or_sse(ChatCompletionResponse))
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
         headers = report_ignored(body)
-        request_id, ids, stream = chat.prepare(body)
+        job = await chat.prepare(body)
         if body.stream:
-            return _sse(chat.stream(body, request_id, ids, stream), headers)
-        resp = await _until_disconnect(raw, chat.complete(body, request_id, ids, stream))
+            return _sse(chat.stream(body, job), headers)
+        resp = await _until_disconnect(raw, chat.complete(body, job))
         return resp if isinstance(resp, Response) else JSONResponse(resp.model_dump(), headers=headers)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
@@ -126,7 +126,7 @@ def build_app(state: ServerState, api_keys: list[str] | None = None, guard_metri
         tok = completion.engine.tokenizer
         if isinstance(body, TokenizeChatRequest):
             ids = chat.render(body.messages, body.add_generation_prompt, body.continue_final_message,
-                              body.chat_template_kwargs)
+                              body.chat_template_kwargs, body.tools)
         else:
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None

@@ -36,6 +36,45 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    """response_format's `json_schema`: the schema under `schema` (as OpenAI sends it)."""
+
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    # structural_tag (vLLM's form): tagged regions of free text
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ValueError('response_format of type "json_schema" needs json_schema.schema')
+        if self.type == "structural_tag" and not (self.structures and self.triggers):
+            raise ValueError('response_format of type "structural_tag" needs "structures" and "triggers"')
+        return self
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's `structured_outputs` request field (one constraint; the options below it)."""
+
+    json_: dict[str, Any] | str | bool | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+
 class _SamplingRequest(OpenAIBaseModel):
     """Fields shared by completions and chat completions (all optional)."""
 
@@ -61,6 +100,15 @@ class _SamplingRequest(OpenAIBaseModel):
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
                           Field(max_length=1024)] | None = None
     user: str | None = None
+    # structured outputs: vLLM's field, OpenAI's response_format, and vLLM's older guided_* extras
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # accepted; the backend is always llguidance
     # vLLM's: lower runs earlier under --scheduling-policy priority, which compilelm does not have
     # (FCFS only): 0 is accepted, anything else is refused as vLLM refuses it under FCFS
     priority: int = Field(0, ge=0, le=0)
@@ -99,15 +147,48 @@ class ContentPart(OpenAIBaseModel):
     text: str | None = None
 
 
+class FunctionCallParam(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallParam(OpenAIBaseModel):
+    """An earlier assistant turn's tool call, sent back in `messages`."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCallParam], Field(max_length=1024)] | None = None  # assistant
+    tool_call_id: str | None = None  # tool: the call this message answers
+    reasoning_content: str | None = None  # assistant: its reasoning (templates may render it)
+    reasoning: str | None = None
 
 
-class ResponseFormat(OpenAIBaseModel):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+class FunctionDefinition(OpenAIBaseModel):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class ChatCompletionTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: Annotated[str, Field(min_length=1)]
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -116,9 +197,10 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: Annotated[list[ChatCompletionTool], Field(max_length=1024)] | None = None
+    # unset: "auto" when there are tools (a 400 unless the server runs --enable-auto-tool-choice)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     # extra variables for the chat template (e.g. {"enable_thinking": false} for Qwen3)
@@ -146,6 +228,7 @@ class TokenizeChatRequest(OpenAIBaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[ChatCompletionTool], Field(max_length=1024)] | None = None
     return_token_strs: bool = False
 
 
@@ -223,9 +306,24 @@ class ChatCompletionLogProbs(BaseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # the text inside <think>...</think> with --reasoning-parser (`reasoning` is vLLM's newer name)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = []
 
 
 class ChatCompletionResponseChoice(BaseModel):

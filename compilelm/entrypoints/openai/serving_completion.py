@@ -26,6 +26,7 @@ from compilelm.entrypoints.openai.serving_engine import (
     holdback_for,
     random_id,
 )
+from compilelm.entrypoints.openai.structured_outputs import compile_constraint, requested_constraint
 from compilelm.outputs import RequestOutput
 from compilelm.runtime.async_engine import RequestStream
 from compilelm.sampling_params import SamplingParams
@@ -39,9 +40,13 @@ class _Job:
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    def prepare(self, req: CompletionRequest) -> _Job:
-        """Validate, tokenize and admit: one engine request per prompt."""
+    async def prepare(self, req: CompletionRequest) -> _Job:
+        """Validate, compile the request's grammar (off the event loop), tokenize and admit: one
+        engine request per prompt."""
         self.check_model(req.model)
+        constraint = requested_constraint(req)
+        if constraint is not None:
+            await compile_constraint(self.engine, *constraint)  # before admission: nothing awaits after it
         if req.suffix is not None:
             raise bad_request("`suffix` is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -59,7 +64,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 ids, text = list(p), None
             max_tokens = self.check_prompt(ids, req.max_tokens)
             echo_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-            params = self.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs=echo_logprobs)
+            params = self.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs=echo_logprobs,
+                                          structured_outputs=None if constraint is None else constraint[0])
             prepared.append((text, ids, params))
         request_id = random_id("cmpl")
         streams = self.start_many(request_id, prepared)

@@ -38,6 +38,8 @@ class ServerState:
     metrics: object | None = None  # ServerMetrics
     draining: bool = False
     request_logger: object | None = None  # RequestLogger (--enable-log-requests)
+    tool_call_parser: str | None = None  # with --enable-auto-tool-choice: tool_choice "auto" parses calls
+    reasoning_parser: str | None = None  # --reasoning-parser: <think> text -> reasoning_content
 
 
 def random_id(prefix: str) -> str:
@@ -122,7 +124,8 @@ class OpenAIServing:
                   stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                   min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
                   spaces_between_special_tokens=req.spaces_between_special_tokens,
-                  include_stop_str_in_output=req.include_stop_str_in_output, **extra)
+                  include_stop_str_in_output=req.include_stop_str_in_output)
+        kw.update(extra)  # the endpoint's own (structured_outputs, prompt_logprobs, ...) win
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             value = getattr(req, name)

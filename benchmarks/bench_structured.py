@@ -1,0 +1,250 @@
+"""Structured outputs: what a grammar costs the batch it runs in, and what a new schema costs the
+streams already running.
+
+1. Throughput (offline engine): a batch of --num-requests requests, each a prompt of --input-len
+   random token ids and exactly --output-len output tokens, greedy; once with no constraint, once
+   with 1 request in 8 held to a JSON schema (an array of objects that cannot end within
+   --output-len, so every request generates the same tokens). Output tokens/s of both, and their
+   ratio (the goal on the GPU: >= 0.90). Each mode runs once to warm up (graphs, the schema's
+   compile), then --repeats times; the best run counts.
+2. New schema (the HTTP server): --streams streaming requests run; once each has streamed
+   --arrive-after tokens, a chat request arrives without a constraint, then the same request
+   with a JSON schema never seen before (--schema-fields properties: patterns, enums, nested
+   objects). Reported: the running streams' gaps between tokens (ITL) before (median, p99), the
+   largest gap from each arrival to that request's first token (its prefill shares a step with
+   them), each one's time to first token, and the schema's compile time on its own (what an
+   engine thread that compiled it would stall every stream for).
+
+    python benchmarks/bench_structured.py        # GPU: the default model's shape, compiled, 64 requests, 8 streams
+    python benchmarks/bench_structured.py --enforce-eager --num-requests 16 --input-len 32 --output-len 32 \\
+        --streams 4 --stream-len 64 --arrive-after 16   # CPU size
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gzip
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+
+import httpx
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.bench_serve import launch  # noqa: E402
+from benchmarks.common import print_table, write_result  # noqa: E402
+
+# an array of records that cannot close within any --output-len: every request runs to max_tokens
+RECORDS = {"type": "array", "minItems": 100000, "items": {
+    "type": "object", "additionalProperties": False, "required": ["id", "name", "kind", "score"],
+    "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 12},
+                   "kind": {"enum": ["alpha", "beta", "gamma"]}, "score": {"type": "number"}}}}
+
+
+def big_schema(fields: int, salt: str) -> dict:
+    """A schema no cache holds (`salt` in its names): strings with patterns, enums, nested objects."""
+    props = {}
+    for i in range(fields):
+        name = f"f{i}_{salt}"
+        if i % 3 == 0:
+            props[name] = {"type": "string", "pattern": "^[A-Z][a-z]{2,8}-[0-9]{3}$"}
+        elif i % 3 == 1:
+            props[name] = {"enum": [f"v{j}_{i}" for j in range(20)]}
+        else:
+            props[name] = {"type": "object", "required": ["x", "y"], "additionalProperties": False,
+                           "properties": {"x": {"type": "number"}, "y": {"type": "array", "items": {"type": "integer"},
+                                                                        "maxItems": 4}}}
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+def resolve_model_and_tokenizer(args) -> None:
+    """Without --model: the default model where its package is installed, else (the GPU machine has
+    none) its shape with random weights, `dummy:smollm2-135m`, and its tokenizer from
+    benchmarks/data (the grammars need a real vocabulary; the work does not depend on the weights)."""
+    if args.model is not None:
+        return
+    from compilelm.models.loader import default_model_path
+    try:
+        default_model_path()
+        return
+    except FileNotFoundError:
+        pass
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "smollm2_tokenizer")
+    folder = tempfile.mkdtemp(prefix="smollm2_tokenizer_")
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(src, name), folder)
+    with gzip.open(os.path.join(src, "tokenizer.json.gz"), "rb") as f, \
+            open(os.path.join(folder, "tokenizer.json"), "wb") as out:
+        shutil.copyfileobj(f, out)
+    args.model, args.tokenizer = "dummy:smollm2-135m", args.tokenizer or folder
+
+
+def bench_throughput(args) -> list[dict]:
+    from compilelm import LLM, SamplingParams
+    from compilelm.sampling_params import StructuredOutputsParams
+
+    llm = LLM(args.model, tokenizer=args.tokenizer, enforce_eager=args.enforce_eager,
+              max_model_len=args.input_len + args.output_len + 16,
+              max_num_seqs=max(args.num_requests, 8), max_num_batched_tokens=max(2048, args.input_len * 8))
+    vocab = llm.engine.model_config.vocab_size
+    rng = random.Random(0)
+    prompts = [[rng.randint(100, min(10000, vocab) - 1) for _ in range(args.input_len)]
+               for _ in range(args.num_requests)]
+    schema = StructuredOutputsParams(json=RECORDS)
+
+    def params(i: int, constrained: bool):
+        return SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
+                              structured_outputs=schema if constrained and i % 8 == 0 else None)
+
+    rows = []
+    for constrained in (False, True):
+        times = []
+        for run in range(args.repeats + 1):  # run 0 warms up
+            batch = [params(i, constrained) for i in range(args.num_requests)]
+            sync()
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, batch, use_tqdm=False)
+            sync()
+            if run:
+                times.append(time.perf_counter() - t0)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert tokens == args.num_requests * args.output_len, tokens
+        if constrained:  # the grammar held: request 0 writes the array
+            assert outs[0].outputs[0].text.lstrip().startswith("["), outs[0].outputs[0].text
+        rows.append({"batch": "1 in 8 constrained" if constrained else "none constrained",
+                     "requests": args.num_requests, "constrained": sum(i % 8 == 0 for i in range(args.num_requests))
+                     if constrained else 0, "output_tok_s": tokens / min(times), "wall_s": min(times)})
+    rows[1]["ratio"] = rows[1]["output_tok_s"] / rows[0]["output_tok_s"]
+    llm.engine.shutdown()
+    return rows
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+async def _stream(client: httpx.AsyncClient, body: dict, path: str, times: list[float], started: asyncio.Event,
+                  arrive_after: int) -> None:
+    async with client.stream("POST", path, json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"]["message"])
+            choice = event["choices"][0] if event["choices"] else {}
+            if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                times.append(time.perf_counter())
+                if len(times) >= arrive_after:
+                    started.set()
+
+
+async def bench_new_schema(url: str, args) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        ask = [{"role": "user", "content": "Fill in the form."}]
+        # warm-up: the first chat request compiles the chat template (and runs the first prefill)
+        (await client.post("/v1/chat/completions", json={"model": model, "messages": ask, "max_tokens": 2})
+         ).raise_for_status()
+        rng = random.Random(1)
+        streams = [[] for _ in range(args.streams)]
+        events = [asyncio.Event() for _ in range(args.streams)]
+        tasks = [asyncio.ensure_future(_stream(client, {
+            "model": model, "prompt": [rng.randint(100, 10000) for _ in range(32)], "max_tokens": args.stream_len,
+            "ignore_eos": True, "temperature": 0.0, "stream": True}, "/v1/completions", times, event,
+            args.arrive_after)) for times, event in zip(streams, events)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 600)
+        arrivals = {}
+        for kind in ("plain", "schema"):  # the same request without, then with a new schema
+            body = {"model": model, "messages": ask, "max_tokens": 8, "temperature": 0.0, "stream": True}
+            if kind == "schema":
+                body["response_format"] = {"type": "json_schema", "json_schema": {
+                    "name": "form", "schema": big_schema(args.schema_fields, uuid.uuid4().hex[:8])}}
+            new_times: list[float] = []
+            arrival = time.perf_counter()
+            await _stream(client, body, "/v1/chat/completions", new_times, asyncio.Event(), 1)
+            arrivals[kind] = (arrival, new_times[0])
+        await asyncio.gather(*tasks)
+    gaps = [(a, b) for s in streams for a, b in zip(s, s[1:])]
+    row = {"streams": args.streams, "schema_fields": args.schema_fields}
+    before = [b - a for a, b in gaps if b <= arrivals["plain"][0]]
+    for kind, (arrival, first) in arrivals.items():
+        across = [b - a for a, b in gaps if b > arrival and a < first]
+        row[f"{kind}_itl_across_arrival_max_ms"] = round(max(across) * 1e3, 2) if across else None
+        row[f"{kind}_ttft_ms"] = round((first - arrival) * 1e3, 2)
+    row["itl_before_median_ms"] = round(statistics.median(before) * 1e3, 2)
+    row["itl_before_p99_ms"] = round(sorted(before)[int(0.99 * (len(before) - 1))] * 1e3, 2)
+    from compilelm.models.loader import resolve_model
+    from compilelm.models.tokenizer import load_tokenizer
+    from compilelm.runtime.structured_output import GuidanceBackend
+    from compilelm.sampling_params import StructuredOutputsParams
+
+    tok = load_tokenizer(resolve_model(args.model), args.tokenizer)
+    backend = GuidanceBackend(tok, len(tok), [tok.eos_token_id])
+    backend.ll_tokenizer()
+    t0 = time.perf_counter()
+    backend.compile(StructuredOutputsParams(json=big_schema(args.schema_fields, uuid.uuid4().hex[:8])))
+    compile_s = time.perf_counter() - t0
+    backend.shutdown()
+    row["schema_compile_ms"] = round(compile_s * 1e3, 2)
+    return row
+
+
+def main(argv=None) -> dict:
+    gpu = torch.cuda.is_available()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M-Instruct), or its "
+                    "shape with random weights and its tokenizer (benchmarks/data) where it is not installed")
+    ap.add_argument("--tokenizer", default=None, help="a tokenizer folder (--tokenizer of the engine)")
+    ap.add_argument("--num-requests", type=int, default=64 if gpu else 16)
+    ap.add_argument("--input-len", type=int, default=128 if gpu else 32)
+    ap.add_argument("--output-len", type=int, default=256 if gpu else 32)
+    ap.add_argument("--repeats", type=int, default=3 if gpu else 1)
+    ap.add_argument("--enforce-eager", action="store_true", help="no compile, no CUDA graphs")
+    ap.add_argument("--streams", type=int, default=8 if gpu else 4)
+    ap.add_argument("--stream-len", type=int, default=512 if gpu else 64)
+    ap.add_argument("--arrive-after", type=int, default=64 if gpu else 16, help="tokens each stream has first")
+    ap.add_argument("--schema-fields", type=int, default=300)
+    ap.add_argument("--server-args", default=None, help="flags of the launched `compilelm serve` (default: the "
+                    "default model, --max-model-len 2048, --enforce-eager with --enforce-eager)")
+    ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--skip-new-schema", action="store_true")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench_structured[_gpu].json)")
+    args = ap.parse_args(argv)
+    resolve_model_and_tokenizer(args)
+    payload: dict = {"args": vars(args)}
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"bench_structured{'_gpu' if gpu else ''}.json")
+    if not args.skip_throughput:
+        rows = payload["throughput"] = bench_throughput(args)
+        print_table(rows, ["batch", "requests", "constrained", "output_tok_s", "wall_s", "ratio"])
+        write_result("bench_structured", payload, out)
+    if not args.skip_new_schema:
+        server_args = args.server_args or " ".join(
+            [args.model or "", f"--tokenizer {args.tokenizer}" if args.tokenizer else "", "--max-model-len 2048",
+             "--enforce-eager" if args.enforce_eager else ""])
+        proc, url = launch(server_args)
+        try:
+            row = payload["new_schema"] = asyncio.run(bench_new_schema(url, args))
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        print_table([row], list(row))
+        write_result("bench_structured", payload, out)
+    print(f"wrote {out}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""`hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Hermes 2/3, and
+the format Qwen2.5 and Qwen3 chat templates teach: vLLM serves those with this parser too)."""
+
+from __future__ import annotations
+
+import json
+
+from compilelm.entrypoints.openai.tool_parsers.abstract import ParsedCall, TaggedToolParser, arguments_text
+
+
+class HermesToolParser(TaggedToolParser):
+    name = "hermes"
+    start = "<tool_call>"
+    end = "</tool_call>"
+
+    def parse_block(self, body: str) -> ParsedCall | None:
+        try:
+            call = json.loads(body.strip())
+        except ValueError:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        return ParsedCall(call["name"], arguments_text(call.get("arguments", call.get("parameters", {}))))

@@ -1,0 +1,62 @@
+"""`qwen3_coder`: Qwen3-Coder's XML calls, each argument its own tag, typed by the tool's schema:
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    </function>
+    </tool_call>
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from compilelm.entrypoints.openai.tool_parsers.abstract import ParsedCall, TaggedToolParser
+
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
+
+
+class Qwen3CoderToolParser(TaggedToolParser):
+    name = "qwen3_coder"
+    start = "<tool_call>"
+    end = "</tool_call>"
+
+    def parse_block(self, body: str) -> ParsedCall | None:
+        m = _FUNCTION.search(body)
+        if m is None:
+            return None
+        name = m.group(1).strip()
+        schema = self.tools[name].parameters if name in self.tools else None
+        properties = (schema or {}).get("properties", {}) if isinstance(schema, dict) else {}
+        args = {}
+        for p in _PARAMETER.finditer(m.group(2)):
+            key, value = p.group(1).strip(), p.group(2)
+            value = value[1:] if value.startswith("\n") else value
+            value = value[:-1] if value.endswith("\n") else value
+            args[key] = _typed(value, properties.get(key, {}))
+        return ParsedCall(name, json.dumps(args, ensure_ascii=False))
+
+
+def _typed(value: str, schema: dict):
+    """A parameter's text as the type its schema names (text when it does not convert)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    kind = kind[0] if isinstance(kind, list) and kind else kind
+    try:
+        if kind == "string":
+            return value
+        if kind == "integer":
+            return int(value.strip())
+        if kind == "number":
+            number = float(value.strip())
+            return int(number) if number.is_integer() and "." not in value and "e" not in value.lower() else number
+        if kind == "boolean":
+            return value.strip().lower() == "true"
+        if kind == "null" and value.strip().lower() in ("null", "none"):
+            return None
+        return json.loads(value)  # object, array, or a schema that names no type
+    except ValueError:
+        return value

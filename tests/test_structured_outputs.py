@@ -1,0 +1,171 @@
+"""Structured outputs in the runtime: constraints -> llguidance grammars (and the errors of bad
+ones), the bitmask applied on the logits, and the engine: every constrained output follows its
+grammar and ends when the value is complete, async scheduling gives the synchronous engine's
+tokens, and it keeps running step N+1's forward ahead of step N's processing (a constrained row
+waits for its own token, nothing else waits)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from compilelm import LLM, SamplingParams
+from compilelm.runtime.structured_output import GrammarError, apply_token_bitmask, fill_token_bitmask
+from compilelm.sampling_params import StructuredOutputsParams as S
+
+TINY = dict(model_overrides={"num_hidden_layers": 2}, max_model_len=256, num_kv_blocks=64,
+            enforce_eager=True, max_num_batched_tokens=64)
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "tags", "size"],
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+                         "size": {"type": "integer", "minimum": 0, "maximum": 99}}}
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """(sync, async) engines over the same random weights, the default model's tokenizer."""
+    return tuple(LLM("dummy:smollm2-135m", async_scheduling=a, **TINY).engine for a in (False, True))
+
+
+def _check_schema_value(text: str) -> None:
+    value = json.loads(text)
+    assert set(value) == {"name", "tags", "size"}, text
+    assert isinstance(value["name"], str) and len(value["name"]) <= 8
+    assert all(t in ("a", "b") for t in value["tags"]) and len(value["tags"]) <= 3
+    assert isinstance(value["size"], int) and 0 <= value["size"] <= 99
+
+
+def test_params_need_exactly_one_constraint():
+    with pytest.raises(ValueError, match="exactly one"):
+        S()
+    with pytest.raises(ValueError, match="exactly one.*json, regex"):
+        S(json={}, regex="a")
+    with pytest.raises(ValueError, match="choice must not be empty"):
+        S(choice=[])
+    with pytest.raises(ValueError, match="list of strings"):
+        S(choice="ab")
+    assert S(choice=["a", "b"]).choice == ("a", "b") and S(json_object=True).kind == "json_object"
+
+
+@pytest.mark.parametrize("params, message", [
+    (S(json="{not json"), "not valid JSON"),
+    (S(json={"type": "frobnicate"}), "frobnicate"),
+    (S(json="[1]"), "must be an object"),
+    (S(regex="(abc"), "unclosed group"),
+    (S(grammar="start: undefined_rule"), "undefined_rule"),
+    (S(structural_tag='{"structures": []}'), "non-empty"),
+    (S(structural_tag='{"structures": [{"begin": "<f>", "end": "</f>"}], "triggers": ["<g"]}'), "none of the triggers"),
+])
+def test_bad_constraints_are_grammar_errors(engines, params, message):
+    with pytest.raises(GrammarError, match=message):
+        engines[0].structured_output.compile(params)
+    with pytest.raises(ValueError, match=message):  # and the engine refuses the request, adding nothing
+        engines[0].add_request("bad", [1, 2], SamplingParams(structured_outputs=params))
+    assert not engines[0].has_unfinished_requests()
+
+
+def test_compiles_are_cached(engines):
+    backend = engines[0].structured_output
+    assert backend.compile(S(json=SCHEMA)) is backend.compile(S(json=dict(SCHEMA)))
+    assert backend.matcher(S(json=SCHEMA)) is not backend.matcher(S(json=SCHEMA))  # a copy per request
+
+
+def test_bitmask_applies_each_rows_mask_and_leaves_others():
+    from compilelm.models.loader import resolve_model
+    from compilelm.models.tokenizer import load_tokenizer
+    from compilelm.runtime.structured_output import GuidanceBackend
+
+    tok = load_tokenizer(resolve_model(None))
+    backend = GuidanceBackend(tok, 49152, [tok.eos_token_id])
+    a, b = backend.matcher(S(regex="[0-9]+")), backend.matcher(S(choice=["hello world"]))
+    assert a.consume_tokens(tok.encode("12", add_special_tokens=False))
+    bitmask = fill_token_bitmask(backend.mask_executor(), [a, b], backend.mask_vocab, pin=False)
+    logits = torch.randn(3, 49152)
+    before = logits.clone()
+    apply_token_bitmask(logits, torch.tensor([2, 0]), bitmask)
+    assert torch.equal(logits[1], before[1])  # unconstrained row untouched
+    for row, matcher in ((2, a), (0, b)):
+        allowed = torch.isfinite(logits[row])
+        ids = torch.nonzero(allowed).flatten().tolist()
+        assert ids and all(matcher.validate_tokens([t]) == 1 for t in ids[:200])
+        assert torch.equal(logits[row][allowed], before[row][allowed])
+        refused = torch.nonzero(~allowed).flatten()[:: 997].tolist()
+        assert all(matcher.validate_tokens([t]) == 0 for t in refused)
+    assert allowed[tok.eos_token_id].item() is False  # "hello world" not yet written
+
+
+def _requests():
+    reqs = [("json0", "A person:", SamplingParams(temperature=0, max_tokens=80, structured_outputs=S(json=SCHEMA))),
+            ("regex", "Phone:", SamplingParams(temperature=1.0, seed=3, max_tokens=30,
+                                               structured_outputs=S(regex=r"\(\d{3}\) \d{3}-\d{4}"))),
+            ("choice", "Pick:", SamplingParams(temperature=1.0, seed=5, max_tokens=10,
+                                               structured_outputs=S(choice=["alpha", "beta gamma"])))]
+    reqs += [(f"json{i}", "Data:", SamplingParams(temperature=1.0, seed=i, max_tokens=120,
+                                                  structured_outputs=S(json=SCHEMA))) for i in range(1, 4)]
+    reqs += [(f"plain{i}", [10 + i, 11, 12], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+             for i in range(4)]
+    return reqs
+
+
+def _run(engine, requests):
+    """Outputs by id, and the run_step count at each update_from_output."""
+    runs, updates = [], []
+    run_step, update = engine.model_runner.run_step, engine.scheduler.update_from_output
+    engine.model_runner.run_step = lambda step: (runs.append(1), run_step(step))[1]
+    engine.scheduler.update_from_output = lambda *a: (updates.append(len(runs)), update(*a))[1]
+    try:
+        for rid, prompt, params in requests:
+            engine.add_request(rid, prompt, params)
+        last = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                last[out.request_id] = out
+    finally:
+        del engine.model_runner.run_step, engine.scheduler.update_from_output
+    assert engine.kv_cache_manager.usage == 0.0
+    outs = {k: (v.outputs[0].token_ids, v.outputs[0].text, v.outputs[0].finish_reason) for k, v in last.items()}
+    return outs, updates
+
+
+def test_constrained_outputs_follow_their_grammar_sync_and_async(engines):
+    (sync, _), (asyn, updates) = (_run(e, _requests()) for e in engines)
+    assert sync == asyn
+    for i in range(4):
+        tokens, text, reason = sync[f"json{i}"]
+        assert reason == "stop", text  # ended by the grammar (the value is complete), not by length
+        _check_schema_value(text)
+    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", sync["regex"][1]) and sync["regex"][2] == "stop"
+    assert sync["choice"][1] in ("alpha", "beta gamma") and sync["choice"][2] == "stop"
+    assert all(len(sync[f"plain{i}"][0]) == 12 for i in range(4))
+    # async: every step's tokens were processed after the next step's forward was launched
+    # (the last updates come after the last forward)
+    assert all(runs > k + 1 for k, runs in enumerate(updates[:-2])), updates
+
+
+def test_structural_tag_constrains_only_inside_its_tags(engines):
+    tag = json.dumps({"structures": [{"begin": "<function=get_weather>", "end": "</function>", "schema": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+        "additionalProperties": False}}], "triggers": ["<function="]})
+    backend, tok = engines[0].structured_output, engines[0].tokenizer
+
+    def accepts(text: str) -> bool:
+        matcher = backend.matcher(S(structural_tag=tag))
+        ids = tok.encode(text, add_special_tokens=False)
+        return matcher.try_consume_tokens(ids) == len(ids)
+
+    assert accepts('Sure. <function=get_weather>{"city": "Paris"}</function> Anything else?')
+    assert accepts("No tool needed here.")
+    assert not accepts('<function=get_weather>{"town": "Paris"}</function>')
+    assert not accepts("<function=get_time>{}</function>")
+
+
+def test_disable_any_whitespace_gives_compact_json(engines):
+    schema = S(json=SCHEMA, disable_any_whitespace=True)
+    outs, _ = _run(engines[1], [(f"c{i}", "JSON:", SamplingParams(temperature=1.0, seed=i, max_tokens=80,
+                                                                   structured_outputs=schema)) for i in range(3)])
+    for _, text, reason in outs.values():
+        assert reason == "stop" and text == json.dumps(json.loads(text), separators=(",", ":"),
+                                                       ensure_ascii=False), text
