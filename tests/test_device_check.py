@@ -4,6 +4,8 @@ launch. CPU-only here: the GPU (name, capability) and the kernel probe are faked
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -15,6 +17,8 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA GeForce RTX 3090")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 6))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",  # read for the engine's step-limit defaults
+                        lambda index=None: types.SimpleNamespace(name="NVIDIA GeForce RTX 3090", total_memory=24 << 30))
 
 
 def _no_image(device):
