@@ -158,16 +158,10 @@ def test_fp8_tiny_model_runs_compiled_with_and_without_fusion():
 
 
 def _forward_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
-    """fp32 logits [n, vocab] of one eager forward over the prompt (as test_engine does)."""
-    from compilelm.forward_context import AttentionMetadata, ForwardContext, set_forward_context
-    runner, n = llm.engine.model_runner, len(prompt)
-    caches = {k: (torch.zeros_like(a), torch.zeros_like(b)) for k, (a, b) in runner.kv_caches.items()}
-    bs = llm.engine.config.cache.block_size
-    blocks = list(range(1, -(-n // bs) + 1))
-    meta = AttentionMetadata(torch.arange(bs, bs + n), torch.tensor([0, n], dtype=torch.int32),
-                             torch.tensor([n], dtype=torch.int32), torch.tensor([blocks], dtype=torch.int32), n, n)
-    with torch.inference_mode(), set_forward_context(ForwardContext(meta, caches)):
-        return runner.model.compute_logits(runner.model(torch.tensor(prompt), torch.arange(n))).float()
+    """fp32 logits [n, vocab] of one eager forward over the prompt (the accuracy benchmark's)."""
+    from benchmarks.bench_fp8_accuracy import forward_logits
+
+    return forward_logits(llm, prompt)
 
 
 @pytest.mark.slow
