@@ -127,7 +127,7 @@ class LLMEngine:
                                                config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         logger.info("scheduler: up to %d tokens and %d sequences a step (--max-num-batched-tokens, "
-                    "--max-num-seqs; defaults as vLLM's for this GPU and entry point)",
+                    "--max-num-seqs; defaults as vLLM's for this device and entry point)",
                     config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens; max concurrency at %d tokens "
                     "per request: %.1fx", num_blocks - 1, config.cache.block_size,
