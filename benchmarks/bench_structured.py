@@ -123,6 +123,19 @@ def bench_throughput(args) -> list[dict]:
                      "requests": args.num_requests, "constrained": sum(i % 8 == 0 for i in range(args.num_requests))
                      if constrained else 0, "output_tok_s": tokens / min(times), "wall_s": min(times)})
     rows[1]["ratio"] = rows[1]["output_tok_s"] / rows[0]["output_tok_s"]
+    if args.host_profile:  # where the host's time goes: one more run of each mode under cProfile
+        import cProfile
+        import io
+        import pstats
+        for row, constrained in zip(rows, (False, True)):
+            prof = cProfile.Profile()
+            prof.enable()
+            llm.generate(prompts, [params(i, constrained) for i in range(args.num_requests)], use_tqdm=False)
+            sync()
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.host_profile)
+            row["host_profile"] = [line for line in text.getvalue().splitlines() if line.strip()]
     llm.engine.shutdown()
     return rows
 
@@ -218,6 +231,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--schema-fields", type=int, default=300)
     ap.add_argument("--server-args", default=None, help="flags of the launched `compilelm serve` (default: the "
                     "default model, --max-model-len 2048, --enforce-eager with --enforce-eager)")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="also run each throughput mode once under cProfile; its N top functions go in the JSON")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-new-schema", action="store_true")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench_structured[_gpu].json)")

@@ -96,6 +96,14 @@ def test_bitmask_applies_each_rows_mask_and_leaves_others():
         assert all(matcher.validate_tokens([t]) == 0 for t in refused)
     assert allowed[tok.eos_token_id].item() is False  # "hello world" not yet written
 
+    # the mask thread gives the same rows, into its reused buffer (grown when a step has more rows)
+    filler = backend.mask_filler(pin=False)
+    assert torch.equal(filler.start([a, b]).result(), bitmask)
+    many = [backend.matcher(S(regex="[0-9]+")) for _ in range(9)] + [b]
+    masks = filler.start(many).result()
+    assert masks.shape == (10, bitmask.shape[1]) and torch.equal(masks[9], bitmask[1])
+    assert torch.equal(filler.start([b, a]).result(), bitmask.flip(0))
+
 
 def _requests():
     reqs = [("json0", "A person:", SamplingParams(temperature=0, max_tokens=80, structured_outputs=S(json=SCHEMA))),

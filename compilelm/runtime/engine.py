@@ -270,11 +270,12 @@ class LLMEngine:
         if sched_out.scheduled:
             if self._in_flight is not None and _samples_a_grammar(sched_out):
                 # N+1's forward runs while N's tokens come back and the grammars accept them;
-                # N+1's masks are filled and its sampling launched before N's other host work
+                # N+1's masks fill on the mask thread while this one processes N, then N+1 samples
                 forward = self.executor.launch_forward(sched_out)
                 self._accept_grammar_tokens(self._in_flight[1].get())
-                launched = (sched_out, self.executor.sample_async(sched_out, *forward))
+                masks = self.executor.model_runner.start_masks(sched_out)
                 outputs = self._process_in_flight()
+                launched = (sched_out, self.executor.sample_async(sched_out, *forward, masks))
             else:
                 launched = (sched_out, self.executor.execute_model_async(sched_out))
         if self._in_flight is not None:

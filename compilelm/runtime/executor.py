@@ -135,8 +135,8 @@ class Executor:
             raise RuntimeError("async scheduling needs tensor_parallel_size == 1")
         return self.driver.model_runner.launch_forward(sched)
 
-    def sample_async(self, sched: SchedulerOutput, step, logits) -> AsyncStepOutput:
-        return self.driver.model_runner.sample_async(sched, step, logits)
+    def sample_async(self, sched: SchedulerOutput, step, logits, masks=None) -> AsyncStepOutput:
+        return self.driver.model_runner.sample_async(sched, step, logits, masks)
 
     def shutdown(self) -> None:
         if self.conns and getattr(self, "driver", None) is not None:

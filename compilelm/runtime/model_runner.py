@@ -16,6 +16,7 @@ id from the previous step's sampled-token tensor on the device (`StepInputs.pend
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import gc
 import logging
@@ -37,7 +38,7 @@ from compilelm.runtime.async_step import AsyncStepOutput
 from compilelm.runtime.memory import engine_graph_sizes, graph_memory_estimate
 from compilelm.runtime.sampler import SampledTensors, Sampler, SamplerOutput, gather_logprobs
 from compilelm.runtime.scheduler import SchedulerOutput
-from compilelm.runtime.structured_output.bitmask import apply_token_bitmask, fill_token_bitmask
+from compilelm.runtime.structured_output.bitmask import apply_token_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -322,10 +323,23 @@ class ModelRunner:
         step = self.prepare_step(sched)
         return step, self.run_step(step)
 
+    def start_masks(self, sched: SchedulerOutput) -> GrammarMasks | None:
+        """The grammar masks of the step's constrained rows, started on the mask thread (each grammar
+        has accepted the request's tokens so far); None if no row is constrained."""
+        sampled = [sr.request for sr in sched.scheduled if sr.do_sample]
+        rows = [i for i, req in enumerate(sampled) if req.grammar is not None]
+        if not rows:
+            return None
+        grammars = [sampled[i].grammar for i in rows]
+        filler = grammars[0].backend.mask_filler(pin=self.device.type == "cuda")
+        return GrammarMasks(rows, filler.start([g.matcher for g in grammars]))
+
     @torch.inference_mode()
-    def sample_async(self, sched: SchedulerOutput, step: StepInputs, logits: torch.Tensor | None) -> AsyncStepOutput:
-        """The second half: sampling on the device, its ids copied back without waiting."""
-        out, sampled = self._sample(sched, step, logits)
+    def sample_async(self, sched: SchedulerOutput, step: StepInputs, logits: torch.Tensor | None,
+                     masks: GrammarMasks | None = None) -> AsyncStepOutput:
+        """The second half: sampling on the device, its ids copied back without waiting. `masks`:
+        `start_masks(sched)`, started by the engine while it processed the previous step."""
+        out, sampled = self._sample(sched, step, logits, masks)
         self.last_sampled = None if sampled is None else (
             sampled.token_ids, {r.request_id: i for i, r in enumerate(out.sampled)})
         return AsyncStepOutput(out, sampled)
@@ -338,8 +352,8 @@ class ModelRunner:
             out.sampler_output = sampled.to_output()
         return out
 
-    def _sample(self, sched: SchedulerOutput, step: StepInputs,
-                logits: torch.Tensor | None) -> tuple[StepOutput, SampledTensors | None]:
+    def _sample(self, sched: SchedulerOutput, step: StepInputs, logits: torch.Tensor | None,
+                masks: GrammarMasks | None = None) -> tuple[StepOutput, SampledTensors | None]:
         """Prompt logprobs, then the logits processors, the grammar masks of constrained rows
         (each grammar has accepted the request's tokens so far) and the sampler on the device
         for the requests that need a token (their result still on the device, None if none)."""
@@ -355,14 +369,10 @@ class ModelRunner:
             for fn in req.sampling_params.logits_processors:
                 logits = logits.float()  # fp32 rows for the user functions (a copy once, then a no-op)
                 logits[i] = fn(req.output_token_ids, logits[i])
-        constrained = [i for i, req in enumerate(out.sampled) if req.grammar is not None]
-        if constrained:  # host masks of those rows (while the device runs the forward), applied in one op
-            grammars = [out.sampled[i].grammar for i in constrained]
-            backend = grammars[0].backend
-            bitmask = fill_token_bitmask(backend.mask_executor(), [g.matcher for g in grammars], backend.mask_vocab,
-                                         pin=logits.is_cuda)
-            rows = torch.tensor(constrained, dtype=torch.int64, pin_memory=logits.is_cuda)
-            logits = apply_token_bitmask(logits, rows.to(logits.device, non_blocking=True), bitmask)
+        masks = masks or self.start_masks(sched)
+        if masks is not None:  # host masks of the constrained rows, applied in one op
+            rows = torch.tensor(masks.rows, dtype=torch.int64, pin_memory=logits.is_cuda)
+            logits = apply_token_bitmask(logits, rows.to(logits.device, non_blocking=True), masks.bitmask.result())
         greedy = None if self.greedy_ids is None else self.greedy_ids[:step.num_sampled]
         return out, self.sampler.sample_tensors(logits, out.sampled, greedy)
 
@@ -382,6 +392,14 @@ class ModelRunner:
             result[req.request_id] = list(zip(range(start + 1, start + n + 1), lists))
             offset += n
         return result
+
+
+@dataclass
+class GrammarMasks:
+    """A step's constrained rows (indices into its sampled rows) and their masks being filled
+    (a Future of int32 [len(rows), words] on the host)."""
+    rows: list[int]
+    bitmask: concurrent.futures.Future
 
 
 def _in_order(index: np.ndarray) -> bool:

@@ -17,6 +17,7 @@ import json
 import threading
 from collections import OrderedDict
 
+from compilelm.runtime.structured_output.bitmask import MaskFiller
 from compilelm.runtime.structured_output.grammar_spec import GrammarError, grammar_text
 from compilelm.sampling_params import StructuredOutputsParams
 
@@ -38,6 +39,7 @@ class GuidanceBackend:
         self._cache: OrderedDict[str, object] = OrderedDict()  # key -> pristine LLMatcher
         self._pool = concurrent.futures.ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="compilelm-grammar")
         self._executor = None  # llguidance's mask threads, made on the first mask
+        self._filler: MaskFiller | None = None
 
     # -- compiling -----------------------------------------------------------------------------
 
@@ -93,8 +95,16 @@ class GuidanceBackend:
             self._executor = llguidance.LLExecutor()
         return self._executor
 
+    def mask_filler(self, pin: bool) -> MaskFiller:
+        """The mask thread and its reused buffer (pinned for a GPU), made on the first mask."""
+        if self._filler is None:
+            self._filler = MaskFiller(self.mask_executor(), self.mask_vocab, pin)
+        return self._filler
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._filler is not None:
+            self._filler.shutdown()
 
 
 def _ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids: list[int]):

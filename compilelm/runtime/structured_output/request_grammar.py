@@ -3,10 +3,11 @@
 The mask of step N+1 needs the token of step N accepted first. Synchronous steps accept it in
 `Scheduler.update_from_output`, before the next schedule. Under async scheduling the engine
 launches step N+1's forward, waits for step N's sampled ids (ready before that forward starts),
-accepts the constrained requests' tokens, fills the masks and launches N+1's sampling, and only
-then does the rest of step N's host work, while the device runs (engine.py): a constrained row
-waits for its own previous token, never for anything else, and unconstrained requests keep
-running ahead.
+accepts the constrained requests' tokens and starts N+1's masks on the mask thread; it processes
+step N's output while they fill, then masks and samples N+1 (engine.py). A constrained row waits
+for its own previous token, never for anything else, and unconstrained requests keep running
+ahead. While a mask fills, only the mask thread touches the matcher: the state the engine reads
+(`is_terminated`, `failed`) is kept from the last `accept`.
 """
 
 from __future__ import annotations
@@ -23,15 +24,8 @@ class RequestGrammar:
         self.matcher = matcher
         self.backend = backend
         self.num_accepted = 0
-
-    @property
-    def is_terminated(self) -> bool:
-        """The value is complete and nothing may follow it: the request stops here."""
-        return self.matcher.is_stopped()
-
-    @property
-    def failed(self) -> bool:
-        return self.matcher.is_error()
+        self.is_terminated = matcher.is_stopped()  # the value is complete: the request stops here
+        self.failed = matcher.is_error()
 
     def accept(self, token_id: int, index: int, request_id: str) -> bool:
         """Advance by the request's output token number `index` (a token already accepted is
@@ -42,7 +36,9 @@ class RequestGrammar:
             return True
         if self.matcher.consume_token(token_id):
             self.num_accepted += 1
+            self.is_terminated = self.matcher.is_stopped()
             return True
+        self.failed = True
         logger.error("request %s: the grammar refused token %d: %s", request_id, token_id,
                      self.matcher.get_error().splitlines()[0] if self.matcher.get_error() else "")
         return False

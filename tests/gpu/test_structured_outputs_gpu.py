@@ -1,0 +1,45 @@
+"""Structured outputs on the GPU, compiled with CUDA graphs: every constrained output follows its
+grammar, async scheduling (the masks filled on the mask thread while the engine processes the
+last step) gives the synchronous engine's tokens and keeps the next step's forward ahead."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import re
+import shutil
+
+import pytest
+
+from compilelm import LLM
+from tests.test_structured_outputs import _check_schema_value, _requests, _run
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """(sync, async) compiled engines over the same random weights, SmolLM2's tokenizer (the GPU
+    machine has no default model installed: the tokenizer comes from benchmarks/data)."""
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "data", "smollm2_tokenizer")
+    tok = tmp_path_factory.mktemp("tokenizer")
+    shutil.copy(os.path.join(src, "tokenizer_config.json"), tok)
+    with gzip.open(os.path.join(src, "tokenizer.json.gz"), "rb") as f, open(tok / "tokenizer.json", "wb") as out:
+        shutil.copyfileobj(f, out)
+    kw = dict(tokenizer=str(tok), model_overrides={"num_hidden_layers": 4}, max_model_len=256, num_kv_blocks=256,
+              max_num_batched_tokens=256, max_num_seqs=16)
+    return tuple(LLM("dummy:smollm2-135m", async_scheduling=a, **kw).engine for a in (False, True))
+
+
+def test_constrained_and_plain_rows_on_gpu(engines):
+    reqs = _requests()
+    (sync, _), (asyn, updates) = (_run(e, reqs) for e in engines)
+    assert sync == asyn
+    for i in range(4):
+        tokens, text, reason = asyn[f"json{i}"]
+        assert reason == "stop", text
+        _check_schema_value(text)
+    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", asyn["regex"][1]) and asyn["regex"][2] == "stop"
+    assert asyn["choice"][1] in ("alpha", "beta gamma") and asyn["choice"][2] == "stop"
+    assert all(len(asyn[f"plain{i}"][0]) == 12 for i in range(4))
+    assert all(runs > k + 1 for k, runs in enumerate(updates[:-2])), updates  # async stayed ahead
