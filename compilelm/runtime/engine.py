@@ -137,6 +137,9 @@ class LLMEngine:
         self._children: dict[str, tuple[_Parent, _Child]] = {}
         self._ids = itertools.count()
         self._in_flight: tuple[SchedulerOutput, AsyncStepOutput] | None = None  # async: the launched step
+        # async, constrained rows: a step whose forward is launched and whose grammar masks are filling
+        # (SchedulerOutput, launch_forward's (inputs, logits), GrammarMasks); sampled in the next step()
+        self._unsampled: tuple | None = None
         self._host_state: dict[str, Request] = {}  # requests that may need `needs_host_state`
         self.eos_token_id = self.tokenizer.eos_token_id
         if self.eos_token_id is None and self.model_config.eos_token_ids:
@@ -252,7 +255,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is unfinished or a step is in flight (`step()` drains it)."""
-        return bool(self._parents) or self._in_flight is not None
+        return bool(self._parents) or self._in_flight is not None or self._unsampled is not None
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -263,25 +266,33 @@ class LLMEngine:
                 return []
             return self._process_step(sched_out, self.executor.execute_model(sched_out))
         outputs = []
-        if self._in_flight is not None and self._must_sync():
+        if (self._in_flight is not None or self._unsampled is not None) and self._must_sync():
+            self._sample_unsampled()
             outputs = self._process_in_flight()  # N's tokens first: N+1's sampling reads them
         sched_out = self.scheduler.schedule()  # (N+1)
+        self._sample_unsampled()  # N's sampling, if its grammar masks filled until now
         launched = None
         if sched_out.scheduled:
             if self._in_flight is not None and _samples_a_grammar(sched_out):
-                # N+1's forward runs while N's tokens come back and the grammars accept them;
-                # N+1's masks fill on the mask thread while this one processes N, then N+1 samples
+                # N+1's forward runs while N's tokens come back and the grammars accept them; N+1's
+                # masks then fill on the mask thread while this one processes N and schedules N+2,
+                # and N+1 samples in the next step(), before N+2's inputs are prepared
                 forward = self.executor.launch_forward(sched_out)
                 self._accept_grammar_tokens(self._in_flight[1].get())
-                masks = self.executor.model_runner.start_masks(sched_out)
-                outputs = self._process_in_flight()
-                launched = (sched_out, self.executor.sample_async(sched_out, *forward, masks))
+                self._unsampled = (sched_out, forward, self.executor.model_runner.start_masks(sched_out))
             else:
                 launched = (sched_out, self.executor.execute_model_async(sched_out))
         if self._in_flight is not None:
             outputs = self._process_in_flight()  # N, while N+1 runs
         self._in_flight = launched
         return outputs
+
+    def _sample_unsampled(self) -> None:
+        """Launches the sampling of the step whose masks were filling; it becomes the step in flight."""
+        if self._unsampled is not None:
+            sched_out, forward, masks = self._unsampled
+            self._unsampled = None
+            self._in_flight = (sched_out, self.executor.sample_async(sched_out, *forward, masks))
 
     def _must_sync(self) -> bool:
         """A request with a token in flight whose next sample needs that token on the host."""

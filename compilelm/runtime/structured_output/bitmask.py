@@ -52,13 +52,18 @@ class MaskFiller:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
 
+_SHIFTS: dict[torch.device, torch.Tensor] = {}  # [0, 1, ..., 31] int32 per device
+
+
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits[rows[i]] keeps the tokens bitmask[i] allows, the rest -> -inf (in place; returns logits)."""
     # logits: [num_rows, vocab] (any float dtype); rows: int64 [k] on logits' device;
     # bitmask: int32 [k, words] (host, pinned on CUDA)
     vocab = logits.shape[-1]
     bitmask = bitmask.to(logits.device, non_blocking=True)
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    shifts = _SHIFTS.get(logits.device)
+    if shifts is None:
+        shifts = _SHIFTS[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()  # [k, words * 32 -> vocab]
     masked = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
     return logits.index_copy_(0, rows, masked)
