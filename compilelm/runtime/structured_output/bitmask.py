@@ -10,6 +10,7 @@ CUDA graphs, after the replay: the logits are masked outside the graph, before s
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 
 import torch
 
@@ -45,8 +46,19 @@ class MaskFiller:
         if len(matchers) > self._buffer.shape[0]:
             rows = max(len(matchers), 2 * self._buffer.shape[0], 8)
             self._buffer = torch.empty(rows, self._buffer.shape[1], dtype=torch.int32, pin_memory=self.pin)
-        return self._thread.submit(fill_token_bitmask, self.executor, matchers, self.vocab_size, self.pin,
-                                   self._buffer)
+        inside = threading.Event()
+        future = self._thread.submit(self._fill, matchers, self._buffer[:len(matchers)], inside)
+        # hand the GIL over until the mask thread is inside llguidance (which runs without it):
+        # else the thread would wait for the GIL until this one next blocks, i.e. not run at all
+        inside.wait()
+        return future
+
+    def _fill(self, matchers: list, bitmask: torch.Tensor, inside: threading.Event) -> torch.Tensor:
+        words = bitmask.shape[1]
+        rows = [(m, i) for i, m in enumerate(matchers)]
+        inside.set()
+        self.executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), words * 4, len(matchers))
+        return bitmask
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
