@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from compilelm import LLM, SamplingParams
-from compilelm.runtime.structured_output import GrammarError, apply_token_bitmask, fill_token_bitmask
+from compilelm.ops.token_bitmask import mask_logits_rows_
+from compilelm.runtime.structured_output import GrammarError, fill_token_bitmask
 from compilelm.sampling_params import StructuredOutputsParams as S
 
 TINY = dict(model_overrides={"num_hidden_layers": 2}, max_model_len=256, num_kv_blocks=64,
@@ -85,7 +86,8 @@ def test_bitmask_applies_each_rows_mask_and_leaves_others():
     bitmask = fill_token_bitmask(backend.mask_executor(), [a, b], backend.mask_vocab, pin=False)
     logits = torch.randn(3, 49152)
     before = logits.clone()
-    apply_token_bitmask(logits, torch.tensor([2, 0]), bitmask)
+    packed = torch.cat([bitmask.flatten(), torch.tensor([2, 0], dtype=torch.int32)])  # masks, then their rows
+    mask_logits_rows_(logits, packed, 2, bitmask.shape[1])
     assert torch.equal(logits[1], before[1])  # unconstrained row untouched
     for row, matcher in ((2, a), (0, b)):
         allowed = torch.isfinite(logits[row])
@@ -96,13 +98,15 @@ def test_bitmask_applies_each_rows_mask_and_leaves_others():
         assert all(matcher.validate_tokens([t]) == 0 for t in refused)
     assert allowed[tok.eos_token_id].item() is False  # "hello world" not yet written
 
-    # the mask thread gives the same rows, into its reused buffer (grown when a step has more rows)
+    # the mask thread packs the same masks and their rows, into its reused buffer (grown for more rows)
     filler = backend.mask_filler(pin=False)
-    assert torch.equal(filler.start([a, b]).result(), bitmask)
+    assert torch.equal(filler.start([a, b], [2, 0]).result(), packed)
     many = [backend.matcher(S(regex="[0-9]+")) for _ in range(9)] + [b]
-    masks = filler.start(many).result()
-    assert masks.shape == (10, bitmask.shape[1]) and torch.equal(masks[9], bitmask[1])
-    assert torch.equal(filler.start([b, a]).result(), bitmask.flip(0))
+    got = filler.start(many, list(range(10))).result()
+    words = bitmask.shape[1]
+    assert got.shape == (10 * words + 10,) and torch.equal(got[9 * words:10 * words], bitmask[1])
+    assert got[10 * words:].tolist() == list(range(10))
+    assert torch.equal(filler.start([b, a], [5, 7]).result()[:2 * words], bitmask.flip(0).flatten())
 
 
 def _requests():

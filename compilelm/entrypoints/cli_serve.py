@@ -98,14 +98,15 @@ def _check_server_args(args: argparse.Namespace) -> None:
 
 
 def _engine(config):
-    """The engine, and its grammar backend's tokenizer (0.3 s for a 49k vocabulary, holding the GIL:
-    built now, so that the first structured request does not stall every stream for it)."""
+    """The engine, and its grammar backend's tokenizer (0.3 s for a 49k vocabulary, holding the GIL)
+    and mask kernel: built now, so that the first structured request does not stall every stream."""
     from compilelm.runtime.engine import LLMEngine
     from compilelm.runtime.structured_output import GrammarError
 
     engine = LLMEngine(config)
     try:
         engine.structured_output.ll_tokenizer()
+        engine.executor.model_runner.warm_up_masks()  # the mask kernel's compile, too
     except GrammarError as e:  # e.g. no tokenizer.json: structured requests get a 400 saying so
         logger.info("structured outputs unavailable: %s", e)
     return engine

@@ -33,12 +33,11 @@ from compilelm.graphs.cudagraph.dispatch import CudaGraphDispatcher
 from compilelm.graphs.cudagraph.full import CUDAGraphRunner
 from compilelm.graphs.cudagraph.piecewise import PiecewiseGraphs
 from compilelm.graphs.step_inputs import HostBatch, InputBuffers
-from compilelm.ops import prefill_attention
+from compilelm.ops import prefill_attention, token_bitmask
 from compilelm.runtime.async_step import AsyncStepOutput
 from compilelm.runtime.memory import engine_graph_sizes, graph_memory_estimate
 from compilelm.runtime.sampler import SampledTensors, Sampler, SamplerOutput, gather_logprobs
 from compilelm.runtime.scheduler import SchedulerOutput
-from compilelm.runtime.structured_output.bitmask import apply_token_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -323,6 +322,12 @@ class ModelRunner:
         step = self.prepare_step(sched)
         return step, self.run_step(step)
 
+    def warm_up_masks(self) -> None:
+        """Compiles the grammar-mask kernel now (`serve` calls it at start, off any request's path)."""
+        if self.device.type == "cuda":
+            dtype = next(self.model.parameters()).dtype
+            token_bitmask.warm_up(self.model.config.vocab_size, dtype, self.device)
+
     def start_masks(self, sched: SchedulerOutput) -> GrammarMasks | None:
         """The grammar masks of the step's constrained rows, started on the mask thread (each grammar
         has accepted the request's tokens so far); None if no row is constrained."""
@@ -332,7 +337,7 @@ class ModelRunner:
             return None
         grammars = [sampled[i].grammar for i in rows]
         filler = grammars[0].backend.mask_filler(pin=self.device.type == "cuda")
-        return GrammarMasks(rows, filler.start([g.matcher for g in grammars]))
+        return GrammarMasks(len(rows), filler.words, filler.start([g.matcher for g in grammars], rows))
 
     @torch.inference_mode()
     def sample_async(self, sched: SchedulerOutput, step: StepInputs, logits: torch.Tensor | None,
@@ -370,9 +375,9 @@ class ModelRunner:
                 logits = logits.float()  # fp32 rows for the user functions (a copy once, then a no-op)
                 logits[i] = fn(req.output_token_ids, logits[i])
         masks = masks or self.start_masks(sched)
-        if masks is not None:  # host masks of the constrained rows, applied in one op
-            rows = torch.tensor(masks.rows, dtype=torch.int64, pin_memory=logits.is_cuda)
-            logits = apply_token_bitmask(logits, rows.to(logits.device, non_blocking=True), masks.bitmask.result())
+        if masks is not None:  # host masks of the constrained rows: one copy, applied in one kernel
+            packed = masks.packed.result().to(logits.device, non_blocking=True)
+            logits = token_bitmask.mask_logits_rows_(logits, packed, masks.num_rows, masks.words)
         greedy = None if self.greedy_ids is None else self.greedy_ids[:step.num_sampled]
         return out, self.sampler.sample_tensors(logits, out.sampled, greedy)
 
@@ -396,10 +401,11 @@ class ModelRunner:
 
 @dataclass
 class GrammarMasks:
-    """A step's constrained rows (indices into its sampled rows) and their masks being filled
-    (a Future of int32 [len(rows), words] on the host)."""
-    rows: list[int]
-    bitmask: concurrent.futures.Future
+    """A step's constrained rows being masked: their number, the mask width in int32 words, and
+    the packed masks + row indices being filled (a Future of MaskFiller.start's host array)."""
+    num_rows: int
+    words: int
+    packed: concurrent.futures.Future
 
 
 def _in_order(index: np.ndarray) -> bool:

@@ -10,6 +10,7 @@ import re
 import shutil
 
 import pytest
+import torch
 
 from compilelm import LLM
 from tests.test_structured_outputs import _check_schema_value, _requests, _run
@@ -43,3 +44,20 @@ def test_constrained_and_plain_rows_on_gpu(engines):
     assert asyn["choice"][1] in ("alpha", "beta gamma") and asyn["choice"][2] == "stop"
     assert all(len(asyn[f"plain{i}"][0]) == 12 for i in range(4))
     assert all(runs > k + 1 for k, runs in enumerate(updates[:-2])), updates  # async stayed ahead
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vocab", [49152, 32000, 151936, 1000])
+def test_mask_kernel_matches_reference(dtype, vocab):
+    from compilelm.ops.token_bitmask import mask_logits_rows_, mask_logits_rows_ref
+
+    g = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32 - (1 if vocab == 1000 else 0)  # one case whose masks are narrower than the vocab
+    for k, rows in ((1, [3]), (3, [5, 0, 7])):
+        masks = torch.randint(-2**31, 2**31 - 1, (k, words), generator=g, dtype=torch.int64).to(torch.int32)
+        packed = torch.cat([masks.flatten(), torch.tensor(rows, dtype=torch.int32)]).cuda()
+        logits = torch.randn(8, vocab, generator=g).to(dtype).cuda()
+        want = mask_logits_rows_ref(logits.clone(), packed, k, words)
+        got = mask_logits_rows_(logits, packed, k, words)
+        assert got.data_ptr() == logits.data_ptr() and torch.equal(got, want)
+        assert torch.isinf(got[rows[0]]).any() and not torch.isinf(got[1]).any()
