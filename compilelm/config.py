@@ -55,6 +55,7 @@ class SchedulerConfig:
 
 
 USAGE_CONTEXTS = ("llm_class", "openai_api_server")  # vLLM's names for the two entry points
+REASONING_PARSERS = ("qwen3", "deepseek_r1")  # the reasoning parsers (both of vLLM's <think> ones)
 
 
 def scheduler_defaults(device, usage_context: str = "llm_class") -> dict[str, int]:
@@ -115,6 +116,9 @@ class EngineConfig:
     # None = 1 MiB (below it NCCL is faster: docs/perf.md, "Tensor parallel all-reduce"),
     # 0 = every size it takes, -1 = NCCL only.
     custom_all_reduce_min_bytes: int | None = None
+    # qwen3 / deepseek_r1 (vLLM's --reasoning-parser): a constrained output's grammar holds after
+    # its <think>...</think> (compilelm/runtime/structured_output/reasoning.py)
+    reasoning_parser: str | None = None
 
     def __post_init__(self):
         if not self.generation_config:
@@ -133,6 +137,9 @@ class EngineConfig:
         if self.custom_all_reduce_min_bytes is not None and self.custom_all_reduce_min_bytes < -1:
             raise ValueError("custom_all_reduce_min_bytes must be None, -1 (off) or >= 0, "
                              f"got {self.custom_all_reduce_min_bytes}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
         if self.usage_context not in USAGE_CONTEXTS:
             raise ValueError(f"usage_context must be one of {', '.join(USAGE_CONTEXTS)}, got {self.usage_context!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -181,3 +181,96 @@ def test_disable_any_whitespace_gives_compact_json(engines):
     for _, text, reason in outs.values():
         assert reason == "stop" and text == json.dumps(json.loads(text), separators=(",", ":"),
                                                        ensure_ascii=False), text
+
+
+# -- the reasoning gate: with a reasoning parser, the grammar holds after </think> ----------------
+
+THINK, END_THINK = 14, 15  # two of SmolLM2's special tokens, renamed <think> / </think> below
+
+
+@pytest.fixture(scope="module")
+def think_tokenizer(tmp_path_factory):
+    """SmolLM2's tokenizer with <jupyter_output> / <jupyter_script> renamed <think> / </think>:
+    single-token tags, as Qwen3's and DeepSeek-R1's are."""
+    import gzip
+    import os
+    import shutil
+
+    src = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "data", "smollm2_tokenizer")
+    folder = tmp_path_factory.mktemp("think_tokenizer")
+    shutil.copy(os.path.join(src, "tokenizer_config.json"), folder)
+    with gzip.open(os.path.join(src, "tokenizer.json.gz"), "rt") as f:
+        data = json.load(f)
+    renames = {"<jupyter_output>": "<think>", "<jupyter_script>": "</think>"}
+    for token in data["added_tokens"]:
+        token["content"] = renames.get(token["content"], token["content"])
+    vocab = data["model"]["vocab"]
+    for old, new in renames.items():
+        vocab[new] = vocab.pop(old)
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    return str(folder)
+
+
+def _forced(script: dict[int, int]):
+    """A logits processor that forces token script[i] at output position i (else leaves the row)."""
+    def force(output_ids, row):
+        token = script.get(len(output_ids))
+        if token is not None:
+            row = torch.full_like(row, -1e9)
+            row[token] = 0.0
+        return row
+    return force
+
+
+def test_reasoning_gate_states():
+    from compilelm.runtime.structured_output.reasoning import ReasoningGate
+
+    qwen3, r1 = ReasoningGate(THINK, END_THINK, True), ReasoningGate(THINK, END_THINK, False)
+    assert qwen3.first_state([5, 6]) == "open" and r1.first_state([5, 6]) == "reasoning"
+    assert qwen3.first_state([5, THINK, 7]) == r1.first_state([5, THINK]) == "reasoning"  # opened by the prompt
+    assert qwen3.first_state([THINK, 9, END_THINK, 7]) == r1.first_state([THINK, END_THINK]) == "grammar"
+    assert qwen3.first_state([THINK, END_THINK, 3, THINK]) == "reasoning"  # the last tag counts
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_grammar_holds_after_the_reasoning(think_tokenizer, parser):
+    llm = LLM("dummy:smollm2-135m", tokenizer=think_tokenizer, reasoning_parser=parser, **TINY)
+    gate = llm.engine.reasoning_gate
+    assert (gate.start_id, gate.end_id) == (THINK, END_THINK)
+    hello = llm.tokenizer.encode(" hello world", add_special_tokens=False)
+    # qwen3's output opens the block itself (the mask lets <think> through); deepseek_r1's prompt did
+    script = ({0: THINK, 1: hello[0], 2: hello[1], 3: END_THINK} if parser == "qwen3"
+              else {0: hello[0], 1: hello[1], 2: END_THINK})
+    params = SamplingParams(temperature=0, max_tokens=100, structured_outputs=S(json=SCHEMA),
+                            logits_processors=[_forced(script)], skip_special_tokens=False)
+    out = llm.generate("A person:", params, use_tqdm=False)[0].outputs[0]
+    ids = out.token_ids
+    end = ids.index(END_THINK)
+    assert ids[:end + 1] == [script[i] for i in range(end + 1)]  # the reasoning was not masked
+    assert out.finish_reason == "stop"  # the grammar ended it
+    _check_schema_value(llm.tokenizer.decode(ids[end + 1:]))
+
+    # a prompt whose think block is closed (a template with thinking off): the grammar from the start
+    closed = [*llm.tokenizer.encode("A person:", add_special_tokens=False), THINK, END_THINK]
+    plain = SamplingParams(temperature=0, max_tokens=100, structured_outputs=S(json=SCHEMA))
+    out = llm.generate(closed, plain, use_tqdm=False)[0].outputs[0]
+    _check_schema_value(out.text)
+
+
+def test_reasoning_gate_needs_single_token_tags():
+    from compilelm.models.loader import resolve_model
+    from compilelm.models.tokenizer import load_tokenizer
+    from compilelm.runtime.structured_output.reasoning import reasoning_gate
+
+    assert reasoning_gate("qwen3", load_tokenizer(resolve_model(None))) is None  # SmolLM2: <think> is 3 tokens
+    assert reasoning_gate(None, None) is None
+
+
+def test_reasoning_parser_names_agree():
+    from compilelm.config import REASONING_PARSERS, EngineConfig
+    from compilelm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS as SERVER_PARSERS
+    from compilelm.runtime.structured_output.reasoning import REASONING_TAGS
+
+    assert set(REASONING_PARSERS) == set(REASONING_TAGS) == set(SERVER_PARSERS)
+    with pytest.raises(ValueError, match="reasoning_parser must be one of"):
+        EngineConfig(reasoning_parser="granite")

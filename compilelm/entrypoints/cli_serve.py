@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 
@@ -120,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
     from compilelm.runtime.async_engine import AsyncLLMEngine
 
     _check_server_args(args)
-    config = engine_config_from_args(args, usage_context="openai_api_server")
+    config = dataclasses.replace(engine_config_from_args(args, usage_context="openai_api_server"),
+                                 reasoning_parser=args.reasoning_parser)  # the engine gates grammars by it
     # a missing model fails now, before the port is bound (and a repo id is downloaded once, here)
     source = resolve_model(config.model, config.revision, config.download_dir)
     from compilelm.ops.device_check import check_cuda_device

@@ -9,6 +9,7 @@ child requests that share the prompt's KV blocks through prefix caching.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import itertools
 import logging
@@ -28,6 +29,7 @@ from compilelm.runtime.kv_cache_manager import KVCacheManager
 from compilelm.runtime.request import Request, RequestStatus
 from compilelm.runtime.scheduler import Scheduler, SchedulerOutput
 from compilelm.runtime.structured_output import GuidanceBackend, RequestGrammar
+from compilelm.runtime.structured_output.reasoning import ReasoningGate, reasoning_gate
 from compilelm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("compilelm")
@@ -202,7 +204,7 @@ class LLMEngine:
             req = Request(child_id, token_ids, child_params, self.eos_token_id, arrival_time)
             if params.structured_outputs is not None:
                 req.grammar = RequestGrammar(self.structured_output.matcher(params.structured_outputs),
-                                             self.structured_output)
+                                             self.structured_output, self.reasoning_gate, token_ids)
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
                                            params.spaces_between_special_tokens)
             child = _Child(req, i, detok, [] if params.logprobs is not None else None)
@@ -216,6 +218,11 @@ class LLMEngine:
         for child in parent.children:
             self.scheduler.add_request(child.request)
         return request_id
+
+    @functools.cached_property
+    def reasoning_gate(self) -> ReasoningGate | None:
+        """With `reasoning_parser`, where a constrained output's grammar starts (after its reasoning)."""
+        return reasoning_gate(self.config.reasoning_parser, self.tokenizer)
 
     @property
     def structured_output(self) -> GuidanceBackend:

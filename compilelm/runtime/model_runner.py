@@ -332,12 +332,13 @@ class ModelRunner:
         """The grammar masks of the step's constrained rows, started on the mask thread (each grammar
         has accepted the request's tokens so far); None if no row is constrained."""
         sampled = [sr.request for sr in sched.scheduled if sr.do_sample]
-        rows = [i for i, req in enumerate(sampled) if req.grammar is not None]
+        rows = [i for i, req in enumerate(sampled) if req.grammar is not None and req.grammar.masks]
         if not rows:
             return None
         grammars = [sampled[i].grammar for i in rows]
         filler = grammars[0].backend.mask_filler(pin=self.device.type == "cuda")
-        return GrammarMasks(len(rows), filler.words, filler.start([g.matcher for g in grammars], rows))
+        return GrammarMasks(len(rows), filler.words, filler.start([g.matcher for g in grammars], rows,
+                                                                  [g.also_allowed for g in grammars]))
 
     @torch.inference_mode()
     def sample_async(self, sched: SchedulerOutput, step: StepInputs, logits: torch.Tensor | None,

@@ -7,13 +7,15 @@ as `content` (vLLM's `qwen3` and `deepseek_r1`).
   template puts `<think>` in the prompt).
 Reasoning that never closes (cut by max_tokens) stays reasoning, streamed or not.
 
-Like the tool parsers, `split` sees the text so far and returns only what is certain (a partial
-tag at the end is held back until it completes or the output ends).
+The engine gates a constrained output's grammar by the same tags (runtime/structured_output/
+reasoning.py). Like the tool parsers, `split` sees the text so far and returns only what is
+certain (a partial tag at the end is held back until it completes or the output ends).
 """
 
 from __future__ import annotations
 
 from compilelm.entrypoints.openai.tool_parsers.abstract import partial_suffix
+from compilelm.runtime.structured_output.reasoning import REASONING_TAGS
 
 
 class ReasoningParser:
@@ -41,11 +43,12 @@ class ReasoningParser:
 
 class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
-    needs_start = True
+    start, end, needs_start = REASONING_TAGS[name]
 
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
     name = "deepseek_r1"
+    start, end, needs_start = REASONING_TAGS[name]
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {

@@ -159,9 +159,10 @@ class OpenAIServingChat(OpenAIServing):
         return job
 
     def _choice_output(self, req: ChatCompletionRequest, tool_mode: str, constrained: bool) -> ChoiceOutput:
-        # a constrained output follows its grammar from the first token: it has no reasoning part
+        # a constrained output reasons first where the engine gates its grammar by the reasoning tags;
+        # else it follows its grammar from the first token and has no reasoning part
         reasoning = None
-        if self.state.reasoning_parser is not None and not constrained:
+        if self.state.reasoning_parser is not None and (not constrained or self.engine.reasoning_gate is not None):
             reasoning = REASONING_PARSERS[self.state.reasoning_parser]()
         tools = None
         if tool_mode == "named":

@@ -45,25 +45,32 @@ class MaskFiller:
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compilelm-mask")
 
     @torch.inference_mode()  # the buffer may be an inference tensor (made under the sampler's mode)
-    def start(self, matchers: list, rows: list[int]) -> concurrent.futures.Future:
+    def start(self, matchers: list, rows: list[int], also: list[int] | None = None) -> concurrent.futures.Future:
         """A Future of int32 [k * words + k] (a view of the buffer): matchers[i]'s mask at
-        [i * words, (i + 1) * words), then `rows` (the logits row of each), k = len(matchers)."""
+        [i * words, (i + 1) * words), then `rows` (the logits row of each), k = len(matchers).
+        `also[i]` >= 0: one more token row i allows (a reasoning gate's opening tag)."""
         k, words = len(matchers), self.words
         if k * (words + 1) > self._buffer.numel():
             self._buffer = torch.empty(max(k, 8) * (words + 1), dtype=torch.int32, pin_memory=self.pin)
         packed = self._buffer[:k * (words + 1)]
         packed[k * words:] = torch.tensor(rows, dtype=torch.int32)
         inside = threading.Event()
-        future = self._thread.submit(self._fill, matchers, packed, inside)
+        future = self._thread.submit(self._fill, matchers, packed, inside, also or [])
         # hand the GIL over until the mask thread is inside llguidance (which runs without it):
         # else the thread would wait for the GIL until this one next blocks, i.e. not run at all
         inside.wait()
         return future
 
-    def _fill(self, matchers: list, packed: torch.Tensor, inside: threading.Event) -> torch.Tensor:
+    def _fill(self, matchers: list, packed: torch.Tensor, inside: threading.Event, also: list[int]) -> torch.Tensor:
         args = [(m, i) for i, m in enumerate(matchers)]
         inside.set()
         self.executor.unsafe_compute_mask_ptr(args, packed.data_ptr(), self.words * 4, len(matchers))
+        with torch.inference_mode():  # (thread-local) the buffer may be an inference tensor
+            for i, token in enumerate(also):
+                if token >= 0:
+                    bit = 1 << (token % 32)
+                    word = i * self.words + token // 32
+                    packed[word] = int(packed[word]) | (bit - (1 << 32) if bit >= 1 << 31 else bit)  # as int32
         return packed
 
     def shutdown(self) -> None:

@@ -14,19 +14,38 @@ the last `accept`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+
+from compilelm.runtime.structured_output.reasoning import ReasoningGate
 
 logger = logging.getLogger("compilelm")
 
 
 class RequestGrammar:
-    """`backend`: the GuidanceBackend that compiled `matcher` (its mask threads and width)."""
+    """`backend`: the GuidanceBackend that compiled `matcher` (its mask threads and width); `gate`:
+    the engine's ReasoningGate (None: the grammar holds from the first token), with the request's
+    `prompt_ids` deciding its first state (reasoning.py)."""
 
-    def __init__(self, matcher, backend):
+    def __init__(self, matcher, backend, gate: ReasoningGate | None = None, prompt_ids: Sequence[int] = ()):
         self.matcher = matcher
         self.backend = backend
+        self.gate = gate
+        self.state = "grammar" if gate is None else gate.first_state(prompt_ids)
         self.num_accepted = 0
-        self.is_terminated = matcher.is_stopped()  # the value is complete: the request stops here
+        # the value is complete: the request stops here
+        self.is_terminated = self.state == "grammar" and matcher.is_stopped()
         self.failed = matcher.is_error()
+
+    @property
+    def masks(self) -> bool:
+        """Whether this step's token is masked (not while the request reasons)."""
+        return self.state != "reasoning"
+
+    @property
+    def also_allowed(self) -> int:
+        """A token the mask allows besides the grammar's: the opening tag while the output may
+        still open with it ("open"), else -1."""
+        return self.gate.start_id if self.state == "open" else -1
 
     def accept(self, token_id: int, index: int, request_id: str) -> bool:
         """Advance by the request's output token number `index` (a token already accepted is
@@ -35,6 +54,11 @@ class RequestGrammar:
         logged, and the request is no longer constrained."""
         if index < self.num_accepted:
             return True
+        if self.state == "reasoning" or (self.state == "open" and token_id == self.gate.start_id):
+            self.num_accepted += 1
+            self.state = "grammar" if self.state == "reasoning" and token_id == self.gate.end_id else "reasoning"
+            return True
+        self.state = "grammar"
         if self.matcher.consume_token(token_id):
             self.num_accepted += 1
             self.is_terminated = self.matcher.is_stopped()
