@@ -94,7 +94,7 @@ class ModelRunner:
         if device.type == "cuda":
             t0 = time.perf_counter()
             prefill_attention.warm_up(*next(iter(self.kv_caches.values())),
-                                      mc.num_attention_heads // get_tp_size())
+                                      mc.num_attention_heads // get_tp_size(), next(model.parameters()).dtype)
             logger.info("prefill attention kernel ready in %.1f s", time.perf_counter() - t0)
             sched = config.scheduler
             full, piecewise = engine_graph_sizes(config)
