@@ -177,8 +177,6 @@ class EngineConfig:
         engine and model part (`compilelm compile` and the engine must compute it the same way)."""
         factors = {"dtype": str(self.torch_dtype()), "device": self.torch_device().type,
                    "block_size": self.cache.block_size, "model": model_config.to_dict()}
-        if self.cache.fp8:  # absent for auto: the keys of model-dtype caches stay as they were
-            factors["kv_cache_dtype"] = "fp8_e4m3"
         if self.quantization is not None:  # absent when None: unquantized keys stay as they were
             factors["quantization"] = self.quantization
         if self.tensor_parallel_size > 1:  # each rank's graph has its own shapes and vocab range
