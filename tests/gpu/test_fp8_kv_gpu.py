@@ -105,11 +105,12 @@ def _batch(q_lens, contexts, heads, kv_heads, d, page=16, dtype=torch.bfloat16, 
         tables[r, :nb] = perm[i:i + nb]
         i += nb
     num_blocks = int(perm.max()) + 1
-    kc = quantize_kv(torch.randn(num_blocks, page, kv_heads, d, generator=g) * 3, FP8, scales[0])
-    vc = quantize_kv(torch.randn(num_blocks, page, kv_heads, d, generator=g), FP8, scales[1])
-    q = torch.randn(sum(q_lens) + 3, heads, d, generator=g).to(dtype)
+    gd = torch.Generator(device=DEV).manual_seed(seed)  # the large tensors drawn on the GPU
+    kc = quantize_kv(torch.randn(num_blocks, page, kv_heads, d, generator=gd, device=DEV) * 3, FP8, scales[0])
+    vc = quantize_kv(torch.randn(num_blocks, page, kv_heads, d, generator=gd, device=DEV), FP8, scales[1])
+    q = torch.randn(sum(q_lens) + 3, heads, d, generator=gd, device=DEV).to(dtype)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    return [t.to(DEV) for t in (q, kc, vc, cu, torch.tensor(seq_lens, dtype=torch.int32), tables)]
+    return [q, kc, vc, *(t.to(DEV) for t in (cu, torch.tensor(seq_lens, dtype=torch.int32), tables))]
 
 
 def _check(out, ref, cu):
@@ -122,15 +123,24 @@ def _check(out, ref, cu):
 @pytest.mark.parametrize("head_size", [64, 128, 256])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 8), (32, 8), (16, 2)])  # groups 1, 4, 8 (two programs of 4)
 def test_decode_kernel_pure_decode(dtype, head_size, heads, kv_heads):
-    # batch 1 short (clusters), batch 1 long (split-K), batch 16 (no split / split), 16000 keys
-    for q_lens, contexts in (([1], [40]), ([1], [16000]), ([1] * 16, [300 * i + 5 for i in range(16)]),
-                             ([1] * 4, [16000, 2000, 9, 777])):
+    # batch 1 short (clusters), batch 1 long (split-K), batch 16 (no split / split), mixed lengths
+    for q_lens, contexts in (([1], [40]), ([1], [6000]), ([1] * 16, [300 * i + 5 for i in range(16)]),
+                             ([1] * 4, [5000, 2000, 9, 777])):
         q, kc, vc, cu, seq_lens, tables = _batch(q_lens, contexts, heads, kv_heads, head_size, dtype=dtype)
         ref = paged_attention_ref(q, kc, vc, cu, seq_lens, tables, head_size ** -0.5, 0.1, 0.02)
         for max_query_len in (1, 0):  # declared pure decode (all rows, last split merges) / unknown
             out = ops.paged_attention(q, kc, vc, cu, seq_lens, tables, head_size ** -0.5, max_query_len, True,
                                       0.1, 0.02)
             _check(out, ref, cu)
+
+
+def test_decode_llama_8b_shape_at_16k():
+    """The benchmark's case: batch 16 at context 16000, 32 query / 8 kv heads of 128, bf16."""
+    q, kc, vc, cu, seq_lens, tables = _batch([1] * 16, [16000 - i for i in range(16)], 32, 8, 128)
+    ref = paged_attention_ref(q, kc, vc, cu, seq_lens, tables, 128 ** -0.5, 0.1, 0.02)
+    for max_query_len in (1, 0):
+        _check(ops.paged_attention(q, kc, vc, cu, seq_lens, tables, 128 ** -0.5, max_query_len, True, 0.1, 0.02),
+               ref, cu)
 
 
 @pytest.mark.parametrize("cluster_merge", [True, False])
