@@ -263,3 +263,36 @@ def test_engine_fp8_kv_greedy_agrees_with_the_model_dtype_cache(caplog):
     same = sum(a == b for x, y in zip(auto, fp8) for a, b in zip(x, y))
     total = sum(len(x) for x in auto)
     assert same / total >= 0.75, (same, total, auto, fp8)  # high, not required equal
+
+
+def test_qkv_graph_ops_write_fp8_caches_through_rope_and_cache():
+    """The QKV + RoPE graph ops (passes.fuse_qkv_rope / fuse_norm_gemm) with an fp8 next cache:
+    the projection, then rope_and_cache with that layer's scales, the same as unfused."""
+    from compilelm.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+    g = torch.Generator().manual_seed(7)
+    m, hidden, heads, kvh, d = 3, 64, 4, 2, 16
+    x, res = torch.randn(m, hidden, generator=g), torch.randn(m, hidden, generator=g)
+    w = torch.randn((heads + 2 * kvh) * d, hidden, generator=g) * 0.1
+    nw = torch.rand(hidden, generator=g) + 0.5
+    positions = torch.arange(m) + 2
+    freqs = torch.outer(torch.arange(16).float(), 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    slots = torch.arange(8, 8 + m)
+    cases = {
+        "qkv_rope": (lambda: torch.ops.compilelm.qkv_rope(x, w, positions, cos_sin, heads), ops.linear(x, w)),
+        "rms_norm_qkv_rope": (lambda: torch.ops.compilelm.rms_norm_qkv_rope(x, nw, 1e-6, w, positions, cos_sin, heads),
+                              ops.rms_norm_linear(x, nw, 1e-6, w)),
+        "fused_add_rms_norm_qkv_rope": (
+            lambda: torch.ops.compilelm.fused_add_rms_norm_qkv_rope(x, res, nw, 1e-6, w, positions, cos_sin, heads)[0],
+            ops.fused_add_rms_norm_linear(x, res, nw, 1e-6, w)[0]),
+    }
+    for name, (run, qkv) in cases.items():
+        caches = (torch.zeros(3, 8, kvh, d, dtype=FP8), torch.zeros(3, 8, kvh, d, dtype=FP8))
+        meta = AttentionMetadata(slots, None, None, None, 1, 1)
+        with set_forward_context(ForwardContext(meta, {"a": caches, "b": caches}, {"a": (0.5, 0.25)})):
+            q = run()
+        ref = tuple(torch.zeros_like(c) for c in caches)
+        qq, kk, vv = (t.view(m, -1, d) for t in qkv.split([heads * d, kvh * d, kvh * d], dim=-1))
+        q_ref = ops.rope_and_cache(positions, qq, kk, vv, cos_sin, None, None, 0.0, *ref, slots, 0.5, 0.25)
+        torch.testing.assert_close(q, q_ref.view(m, -1), msg=name)
+        assert all(torch.equal(_codes(a), _codes(b)) for a, b in zip(caches, ref)), name

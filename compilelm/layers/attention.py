@@ -34,9 +34,12 @@ class Attention(nn.Module):
 def kv_cache_scales(model: nn.Module) -> dict[str, tuple[float, float]]:
     """Layer name -> (k_scale, v_scale) of every Attention layer of `model`: what an FP8 KV cache is
     written and read with (the forward context's kv_scales). Logs where they come from."""
+    from compilelm.distributed.parallel_state import get_tp_rank
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     loaded = sum(m.kv_scales_loaded for m in layers)
-    if loaded:
+    if get_tp_rank() > 0:  # every rank has the same scales: rank 0 says so
+        pass
+    elif loaded:
         logger.info("FP8 KV cache: k/v scales of %d of %d attention layers from the checkpoint (others 1.0)",
                     loaded, len(layers))
     else:  # as vLLM: no scales in the checkpoint and no --calculate-kv-scales
