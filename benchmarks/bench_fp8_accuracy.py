@@ -13,7 +13,14 @@ The weights are quantized in memory the way a checkpoint of each format stores t
 on the layers with the linear methods the checkpoint loader attaches (the loader itself is tested
 byte for byte in tests/test_fp8_checkpoints.py). Also prints each scheme's greedy answer to one chat.
 
-    python benchmarks/bench_fp8_accuracy.py [--model M] [--block 64]
+FP8 KV cache rows (--kv-cache-dtype fp8: float8_e4m3fn K/V, scales 1.0 as vLLM's default without
+checkpoint scales), against the same model with its KV cache in the model dtype:
+
+    kv-fp8            unquantized linears, fp8 KV cache: what the KV cache's quantization costs
+    kv-fp8+channel-dynamic   W8A8 (--quantization fp8) and the fp8 KV cache together, against the
+                      unquantized model with the model-dtype cache
+
+    python benchmarks/bench_fp8_accuracy.py [--model M] [--block 64] [--dtype bfloat16] [--kv-only]
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ CALIBRATION = ("Photosynthesis is the process by which green plants use sunlight
                "make sugar and oxygen. It takes place mainly in the leaves, inside small structures called "
                "chloroplasts, which contain the green pigment chlorophyll.")
 SCHEMES = ("channel-dynamic", "tensor-dynamic", "tensor-static", "block-dynamic")
+KV_SCHEMES = ("kv-fp8", "kv-fp8+channel-dynamic")
 
 
 def forward_logits(llm, prompt: list[int]) -> torch.Tensor:
@@ -52,7 +60,7 @@ def forward_logits(llm, prompt: list[int]) -> torch.Tensor:
     blocks = list(range(1, -(-n // bs) + 1))
     meta = AttentionMetadata(torch.arange(bs, bs + n), torch.tensor([0, n], dtype=torch.int32),
                              torch.tensor([n], dtype=torch.int32), torch.tensor([blocks], dtype=torch.int32), n, n)
-    with torch.inference_mode(), set_forward_context(ForwardContext(meta, caches)):
+    with torch.inference_mode(), set_forward_context(ForwardContext(meta, caches, runner.kv_scales)):
         return runner.model.compute_logits(runner.model(torch.tensor(prompt), torch.arange(n))).float()
 
 
@@ -96,14 +104,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--block", type=int, default=128, help="block size of block-dynamic (falls back to 64 "
                                                            "when the model's widths are not multiples)")
     ap.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES)
+    ap.add_argument("--kv-only", action="store_true", help="only the FP8 KV cache rows")
+    ap.add_argument("--dtype", default="float32", help="the model's dtype (the reference's KV cache has it)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.kv_only:
+        args.schemes = []
 
     from compilelm import LLM, SamplingParams
     from compilelm.layers.quantization import calibrate
     from compilelm.layers.quantization.fp8 import fp8_linears
 
-    llm = LLM(args.model, enforce_eager=True, max_model_len=1024, num_kv_blocks=128, dtype="float32")
+    llm = LLM(args.model, enforce_eager=True, max_model_len=1024, num_kv_blocks=128, dtype=args.dtype)
     model = llm.engine.model_runner.model
     prompt = llm.tokenizer.encode(TEXT)
     chat = [{"role": "user", "content": "What is the capital of France?"}]
@@ -129,10 +141,29 @@ def main(argv=None) -> dict:
                      "tokens": len(prompt), "top1_agreement": round(top1, 4),
                      "mean_abs_logit_err": round(err.mean().item(), 4), "max_abs_logit_err": round(err.max().item(), 3),
                      "greedy_answer": answer})
-    print(f"fp32 reference: {len(prompt)} tokens, logit std {ref.std().item():.2f}; greedy answer {ref_answer!r}")
+    # the FP8 KV cache: the same weights (loaded again) with float8_e4m3fn K/V
+    kv_llm = LLM(args.model, enforce_eager=True, max_model_len=1024, num_kv_blocks=128, dtype=args.dtype,
+                 kv_cache_dtype="fp8")
+    kv_model = kv_llm.engine.model_runner.model
+    kv_originals = {name: layer.weight.data.clone() for name, layer in fp8_linears(kv_model)}
+    for scheme in KV_SCHEMES:
+        if scheme.endswith("channel-dynamic"):
+            for name, layer in fp8_linears(kv_model):
+                install(layer, kv_originals[name], "channel-dynamic", block)
+        got = forward_logits(kv_llm, prompt)
+        err = (got - ref).abs()
+        answer = kv_llm.chat(chat, greedy, use_tqdm=False)[0].outputs[0].text
+        top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        rows.append({"scheme": scheme, "tokens": len(prompt), "top1_agreement": round(top1, 4),
+                     "mean_abs_logit_err": round(err.mean().item(), 4), "max_abs_logit_err": round(err.max().item(), 3),
+                     "greedy_answer": answer})
+    print(f"{args.dtype} reference: {len(prompt)} tokens, logit std {ref.std().item():.2f}; greedy answer "
+          f"{ref_answer!r}")
     print_table(rows, ["scheme", "tokens", "top1_agreement", "mean_abs_logit_err", "max_abs_logit_err",
                        "greedy_answer"])
-    payload = {"model": args.model or "SmolLM2-135M-Instruct (default)", "reference": "float32, unquantized",
+    payload = {"model": args.model or "SmolLM2-135M-Instruct (default)",
+               "device": str(llm.engine.model_runner.device),
+               "reference": f"{args.dtype}, unquantized, KV cache in {args.dtype}",
                "logit_std": round(ref.std().item(), 3), "reference_answer": ref_answer, "rows": rows}
     path = write_result("bench_fp8_accuracy", payload, args.out)
     print(f"wrote {path}")

@@ -59,7 +59,8 @@ class CompilelmEngine:
         self.sp = SamplingParams
         overrides = {"num_hidden_layers": args.layers} if args.layers else {}
         self.llm = LLM(model, max_model_len=args.max_model_len, model_overrides=overrides,
-                       enforce_eager=args.enforce_eager, seed=0, **step_limits(args))
+                       enforce_eager=args.enforce_eager, seed=0, kv_cache_dtype=args.kv_cache_dtype,
+                       **step_limits(args))
         self.vocab = self.llm.engine.model_config.vocab_size
         sched = self.llm.engine.config.scheduler
         self.limits = {"max_num_batched_tokens": sched.max_num_batched_tokens, "max_num_seqs": sched.max_num_seqs}
@@ -86,7 +87,7 @@ class VllmEngine:
         self.sp = SamplingParams
         self.llm = LLM(model=self.dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                        max_model_len=args.max_model_len, gpu_memory_utilization=0.85, seed=0,
-                       enforce_eager=args.enforce_eager, **step_limits(args))
+                       enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype, **step_limits(args))
         self.vocab = config["vocab_size"]
         sched = self.llm.llm_engine.vllm_config.scheduler_config
         self.limits = {"max_num_batched_tokens": sched.max_num_batched_tokens, "max_num_seqs": sched.max_num_seqs}
@@ -121,7 +122,8 @@ def timed(engine, prompts, max_tokens, temperature=0.0) -> tuple[float, int]:
 def measure(engine_name: str, model: str, args, started: float) -> dict:
     """Every measurement of one engine on one model (in this process)."""
     engine = (VllmEngine if engine_name == "vllm" else CompilelmEngine)(model, args)
-    out = {"engine": engine_name, "model": model, "start_s": time.time() - started, **engine.limits}
+    out = {"engine": engine_name, "model": model, "kv_cache_dtype": args.kv_cache_dtype,
+           "start_s": time.time() - started, **engine.limits}
     vocab, seed = engine.vocab, iter(range(1000, 10**6))
     timed(engine, token_prompts(2, (8, 16), vocab, 0), [4, 4])  # warm-up (lazy init, first sizes)
     short, long_ = args.decode_steps
@@ -170,7 +172,7 @@ def ratios(rows: list[dict]) -> list[dict]:
     for model in dict.fromkeys(r["model"] for r in rows):
         ours = next((r for r in rows if r["model"] == model and r["engine"] == "compilelm"), {})
         peer = next((r for r in rows if r["model"] == model and r["engine"] == "vllm"), {})
-        for metric in [k for k in ours if k not in ("engine", "model", "error")]:
+        for metric in [k for k in ours if k not in ("engine", "model", "error", "kv_cache_dtype")]:
             a, b = ours[metric], peer.get(metric)
             lower_is_better = metric.startswith(("decode_ms", "start_s"))
             settings = metric in ("max_num_batched_tokens", "max_num_seqs")  # what ran, not a result
@@ -198,6 +200,8 @@ def parse(argv=None):
     ap.add_argument("--max-num-seqs", type=int, default=None, help="both engines' sequences per step (default: own)")
     ap.add_argument("--prefill-kernel", choices=("triton", "mma"), default="triton",
                     help="compilelm's prefill attention: the Triton kernel, or paged_attention's mma.sync one (A/B)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
+                    help="both engines' KV cache: the model's dtype, or fp8 (e4m3, scales 1.0)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default=None)
     return ap.parse_args(argv)

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# --kv-cache-dtype as vLLM spells it: auto = the model's dtype; fp8 = fp8_e4m3 (float8_e4m3fn, one
+# fp32 scale per layer for keys and one for values: the checkpoint's, else 1.0).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -16,8 +20,14 @@ class CacheConfig:
     kv_cache_memory_gb: float = 2.0  # KV-cache budget on CPU
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may use in total
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES (--kv-cache-dtype)
 
     def __post_init__(self):
+        if self.kv_cache_dtype == "fp8_e5m2":
+            raise ValueError("kv_cache_dtype fp8_e5m2 is not supported (float8_e5m2 KV caches have no kernels here); "
+                             "use fp8 / fp8_e4m3 (float8_e4m3fn with per-layer scales) or auto")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
@@ -30,6 +40,16 @@ class CacheConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the KV cache is float8_e4m3fn (else the model's dtype)."""
+        return self.kv_cache_dtype != "auto"
+
+    def torch_cache_dtype(self, model_dtype):
+        """The KV-cache tensors' dtype for a model of `model_dtype`."""
+        import torch
+        return torch.float8_e4m3fn if self.fp8 else model_dtype
 
 
 @dataclass(frozen=True)

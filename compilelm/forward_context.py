@@ -18,6 +18,11 @@ make every layer's piece distinct, one Inductor compile each instead of one for 
 - `kv_caches` is in layer order (the model's `attention_layer_names()`), and a forward runs the
   layers in order, eagerly, compiled or replayed from CUDA graphs (a graph replay runs the
   attention ops eagerly between pieces, or captured in order in a full graph).
+
+FP8 KV caches (float8_e4m3fn tensors in `kv_caches`) come with each layer's (k_scale, v_scale) in
+`kv_scales`: cache = fp8(value / scale), read back as fp8 * scale. Every op that writes or reads
+a cache takes its layer's scales from here (`kv_scales_of`, `next_kv_scales`) at run time, so they
+are never constants of a compiled piece; a layer missing from `kv_scales` has 1.0 and 1.0.
 """
 
 from __future__ import annotations
@@ -42,15 +47,28 @@ class AttentionMetadata:
 class ForwardContext:
     attn_metadata: AttentionMetadata | None
     kv_caches: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # in layer order
+    # FP8 caches: layer name -> (k_scale, v_scale), fp32 values as Python floats (see above)
+    kv_scales: dict[str, tuple[float, float]] = field(default_factory=dict)
     # The layer of the last attention op run in this forward (see "The next layer's KV cache").
     last_attention: str | None = None
 
-    def next_kv_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(key_cache, value_cache) of the layer after the last attention op run (the first layer
-        before any, and again after the last)."""
+    def next_layer(self) -> str:
+        """The layer after the last attention op run (the first layer before any, and again after the last)."""
         names = list(self.kv_caches)
         i = 0 if self.last_attention is None else names.index(self.last_attention) + 1
-        return self.kv_caches[names[i % len(names)]]
+        return names[i % len(names)]
+
+    def next_kv_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key_cache, value_cache) of `next_layer()`."""
+        return self.kv_caches[self.next_layer()]
+
+    def kv_scales_of(self, layer_name: str) -> tuple[float, float]:
+        """(k_scale, v_scale) of a layer's cache: 1.0 each unless set (model-dtype caches ignore them)."""
+        return self.kv_scales.get(layer_name, (1.0, 1.0))
+
+    def next_kv_scales(self) -> tuple[float, float]:
+        """(k_scale, v_scale) of `next_layer()`."""
+        return self.kv_scales_of(self.next_layer())
 
     def attention_done(self, layer_name: str) -> None:
         """Called by every attention op (cheap: it runs each step; next_kv_cache does the lookup)."""

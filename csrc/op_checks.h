@@ -21,8 +21,18 @@ inline void check_kv_cache(const at::Tensor& cache, const char* name, const at::
     TORCH_CHECK(cache.is_contiguous(), name, " must be contiguous");
   }
   const auto dtype = cache.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, name,
-              " must be float32, bfloat16 or float16, got ", dtype);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat8_e4m3fn,
+              name, " must be float32, bfloat16, float16 or float8_e4m3fn (an FP8 KV cache), got ", dtype);
+}
+
+// An FP8 KV cache's scale: finite and > 0 (the writers divide by it).
+inline void check_kv_scale(double scale, const char* name) {
+  TORCH_CHECK(scale > 0 && scale < 1e30, name, " must be finite and > 0, got ", scale);
+}
+
+// The cache holds the source's dtype, or float8_e4m3fn (quantized on write, dequantized on read).
+inline bool cache_dtype_matches(at::ScalarType cache, at::ScalarType source) {
+  return cache == source || cache == at::kFloat8_e4m3fn;
 }
 
 // An int32 metadata tensor (cu_seqlens_q, seq_lens, block_tables) on the query's device.
@@ -36,8 +46,9 @@ inline void check_index(const at::Tensor& t, const char* name, int64_t dim, cons
 inline void check_cache_source(const at::Tensor& src, const char* name, const at::Tensor& cache) {
   TORCH_CHECK(src.device() == cache.device(), name, " must be on ", cache.device(), ", got ", src.device());
   TORCH_CHECK(src.dim() == 3, name, " must be [num_tokens, num_kv_heads, head_size], got ", src.sizes());
-  TORCH_CHECK(src.scalar_type() == cache.scalar_type(), name, " dtype ", src.scalar_type(),
-              " must match the cache dtype ", cache.scalar_type());
+  TORCH_CHECK(cache_dtype_matches(cache.scalar_type(), src.scalar_type()) && src.scalar_type() != at::kFloat8_e4m3fn,
+              name, " dtype ", src.scalar_type(), " must match the cache dtype ", cache.scalar_type(),
+              " (or the cache be float8_e4m3fn)");
   TORCH_CHECK(src.size(1) == cache.size(2) && src.size(2) == cache.size(3), name, " shape ",
               src.sizes(), " does not match cache shape ", cache.sizes());
   TORCH_CHECK(src.stride(2) == 1 && src.stride(1) == src.size(2),
@@ -76,14 +87,15 @@ inline void check_paged_attention_args(const at::Tensor& query, const at::Tensor
               "query must be contiguous within a token (strides ", query.strides(), ")");
   for (const auto& [cache, name] : {std::pair{&key_cache, "key_cache"}, std::pair{&value_cache, "value_cache"}}) {
     check_kv_cache(*cache, name, query.device(), strided_cache);
-    TORCH_CHECK(cache->scalar_type() == dtype, name, " dtype ", cache->scalar_type(),
-                " must match the query dtype ", dtype);
+    TORCH_CHECK(cache_dtype_matches(cache->scalar_type(), dtype), name, " dtype ", cache->scalar_type(),
+                " must match the query dtype ", dtype, " (or be float8_e4m3fn)");
     TORCH_CHECK(cache->size(3) == query.size(2), name, " head_size ", cache->size(3),
                 " must match the query head_size ", query.size(2));
   }
-  TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.strides() == value_cache.strides(),
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.strides() == value_cache.strides() &&
+                  key_cache.scalar_type() == value_cache.scalar_type(),
               "key_cache ", key_cache.sizes(), " and value_cache ", value_cache.sizes(),
-              " must have the same shape and strides");
+              " must have the same shape, strides and dtype");
   const int64_t num_heads = query.size(1);
   const int64_t num_kv_heads = key_cache.size(2);
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads (", num_heads,

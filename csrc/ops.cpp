@@ -7,6 +7,10 @@
 // Layout shared by the cache ops:
 //   key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size], block 0 = null block
 //   slot s of the cache = (block s / block_size, offset s % block_size)
+// FP8 KV cache (--kv-cache-dtype fp8): caches of float8_e4m3fn beside keys / queries of the model
+// dtype. Writers store fp8(clamp(x / k_scale, -448, 448)) (keys; values with v_scale: RNE,
+// saturating), readers use fp8 * scale in fp32. k_scale / v_scale: per-tensor fp32 values (1.0 =
+// vLLM's default); ignored where the cache has the model dtype.
 //
 // FP8 ops: float8_e4m3fn outputs with vLLM's scales, x ~= q.float() * scale; `Tensor? scale`
 // None = dynamic per token (scale: fp32 [num_tokens, 1] = max(amax / 448, 1 / (448 * 512))),
@@ -69,7 +73,7 @@ TORCH_LIBRARY(compilelm, m) {
   // key, value: [num_tokens, num_kv_heads, head_size]; slot_mapping: int64 [num_tokens], -1 skips.
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-      "Tensor slot_mapping) -> ()");
+      "Tensor slot_mapping, float k_scale=1.0, float v_scale=1.0) -> ()");
   // query: [num_tokens, num_heads, head_size]; cu_seqlens_q: int32 [num_seqs + 1];
   // seq_lens: int32 [num_seqs]; block_tables: int32 [num_seqs, max_blocks_per_seq].
   // Returns [num_tokens, num_heads, head_size]; causal over each sequence's cached context.
@@ -79,7 +83,8 @@ TORCH_LIBRARY(compilelm, m) {
   // (compilelm/ops/prefill_attention.py); the CPU kernel writes every row either way.
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor cu_seqlens_q, "
-      "Tensor seq_lens, Tensor block_tables, float scale, int max_query_len=0, bool prefill_rows=True) -> Tensor");
+      "Tensor seq_lens, Tensor block_tables, float scale, int max_query_len=0, bool prefill_rows=True, "
+      "float k_scale=1.0, float v_scale=1.0) -> Tensor");
   // RoPE (neox style) of query and key at `positions`, after an optional per-head RMSNorm
   // (Qwen3's QK-norm: both weights [head_size] or neither), rotated key and value written to
   // their cache slots (as reshape_and_cache). query: [num_tokens, num_heads, head_size];
@@ -88,15 +93,15 @@ TORCH_LIBRARY(compilelm, m) {
   m.def(
       "rope_and_cache(Tensor positions, Tensor query, Tensor key, Tensor value, Tensor cos_sin_cache, "
       "Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, Tensor(a!) key_cache, "
-      "Tensor(b!) value_cache, Tensor slot_mapping) -> Tensor");
+      "Tensor(b!) value_cache, Tensor slot_mapping, float k_scale=1.0, float v_scale=1.0) -> Tensor");
   // rope_and_cache (without QK-norm) then paged_attention of the rotated query, returning its
   // output: on CUDA one kernel for a pure-decode batch (max_query_len == 1) of a model wider than
   // SmolLM2-135M, which writes the cache rows of the batch's sequences only (rows past the last
-  // sequence must have slot -1).
+  // sequence must have slot -1); with an fp8 cache the two kernels.
   m.def(
       "rope_paged_attention(Tensor positions, Tensor query, Tensor key, Tensor value, Tensor cos_sin_cache, "
       "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, Tensor cu_seqlens_q, Tensor seq_lens, "
-      "Tensor block_tables, float scale, int max_query_len=0) -> Tensor");
+      "Tensor block_tables, float scale, int max_query_len=0, float k_scale=1.0, float v_scale=1.0) -> Tensor");
 
   // x: [num_tokens, hidden] -> (q: fp8 [num_tokens, hidden], scale: fp32 [num_tokens, 1])
   m.def("quant_fp8_per_token(Tensor x) -> (Tensor, Tensor)");

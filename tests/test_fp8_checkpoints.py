@@ -135,17 +135,45 @@ def test_missing_shard_scale_is_named(tmp_path):
         build_model(source, load_model_config(source), torch.float32, torch.device("cpu"))
 
 
-def test_kv_cache_scales_are_skipped(tmp_path, caplog):
+@pytest.mark.parametrize("names", ["modelopt", "kv_scale", "compressed-tensors"])
+def test_kv_cache_scales_are_loaded(tmp_path, names):
+    """The checkpoint's FP8 KV-cache scales reach each layer's Attention (k_scale, v_scale), under
+    each naming: self_attn.k_scale / v_scale, the older self_attn.kv_scale (both), and
+    compressed-tensors' k_proj / v_proj.output_scale; query scales are dropped."""
     write_checkpoint(tmp_path, "ct-channel-dynamic", "LlamaForCausalLM")
     from safetensors.torch import load_file, save_file
     tensors = load_file(str(tmp_path / "model.safetensors"))
     for i in range(CONFIG["num_hidden_layers"]):
-        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.1)
-        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.1)
+        attn = f"model.layers.{i}.self_attn"
+        k, v = 0.25 * (i + 1), 0.5 * (i + 1)
+        if names == "modelopt":
+            tensors.update({f"{attn}.k_scale": torch.tensor(k), f"{attn}.v_scale": torch.tensor(v),
+                            f"{attn}.q_scale": torch.tensor(1.0)})
+        elif names == "kv_scale":
+            tensors[f"{attn}.kv_scale"] = torch.tensor([k])
+            v = k
+        else:
+            tensors.update({f"{attn}.k_proj.output_scale": torch.tensor([k]),
+                            f"{attn}.v_proj.output_scale": torch.tensor([v]),
+                            f"{attn}.q_proj.output_scale": torch.tensor([1.0])})
     save_file(tensors, str(tmp_path / "model.safetensors"))
     source = resolve_model(str(tmp_path))
-    build_model(source, load_model_config(source), torch.float32, torch.device("cpu"))
-    assert "KV" in caplog.text
+    model = build_model(source, load_model_config(source), torch.float32, torch.device("cpu"))
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn.attn
+        want_v = 0.25 * (i + 1) if names == "kv_scale" else 0.5 * (i + 1)
+        assert (attn.k_scale, attn.v_scale, attn.kv_scales_loaded) == (0.25 * (i + 1), want_v, True)
+
+
+def test_bad_kv_cache_scale_is_named(tmp_path):
+    write_checkpoint(tmp_path, "ct-channel-dynamic", "LlamaForCausalLM")
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.0)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    source = resolve_model(str(tmp_path))
+    with pytest.raises(ValueError, match="self_attn.k_scale"):
+        build_model(source, load_model_config(source), torch.float32, torch.device("cpu"))
 
 
 def _ct(weights: dict, acts: dict | None, **extra) -> dict:

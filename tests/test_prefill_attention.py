@@ -82,3 +82,23 @@ def test_serves_only_cuda_steps_with_prefill_rows(interpreted):
     q, kc, *_ = _batch([4], [0], 4, 2, 64, 16, torch.bfloat16)
     assert not interpreted.serves(q, kc, 0)  # CPU tensors: the C++ kernels serve
     assert not interpreted.supported(q.float(), kc)
+
+
+@pytest.mark.parametrize("case", CASES[:2], ids=["case0", "case1"])
+def test_fp8_cache_matches_the_dequantizing_reference(interpreted, case):
+    """An FP8 KV cache (float8_e4m3fn codes, per-tensor scales) is read as code * scale."""
+    q_lens, contexts, heads, kv_heads, head_dim, page, config = case
+    q, kc, vc, cu, seq_lens, tables = _batch(q_lens, contexts, heads, kv_heads, head_dim, page, torch.float16)
+    k_scale, v_scale = 0.05, 0.2
+    kc8 = (kc.float() / k_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    vc8 = (vc.float() / v_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    out = torch.full_like(q, 7.0)
+    interpreted.prefill_attention(out, q, kc8, vc8, cu, seq_lens, tables, head_dim ** -0.5, config=config,
+                                  k_scale=k_scale, v_scale=v_scale)
+    ref = paged_attention_ref(q, kc8, vc8, cu, seq_lens, tables, head_dim ** -0.5, k_scale, v_scale)
+    for i, q_len in enumerate(q_lens):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        if q_len > 1:
+            torch.testing.assert_close(out[rows].float(), ref[rows].float(), atol=2e-2, rtol=2e-2)
+        else:
+            assert (out[rows] == 7.0).all()

@@ -58,8 +58,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                    help="reuse the KV cache of shared prompt prefixes (default: on)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="split long prompts over several steps (default: on)")
-    g.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto (the model's dtype); others are accepted for vLLM command lines and warn")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="auto (the model's dtype) | fp8 = fp8_e4m3 (float8_e4m3fn, per-layer k/v scales from the "
+                        "checkpoint, else 1.0: twice the tokens in the same memory); fp8_e5m2 is refused")
     g.add_argument("--disable-log-stats", action="store_true", help="serve: no periodic stats line")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while the GPU runs step N (default: on for CUDA with one rank)")
@@ -113,10 +114,6 @@ def warn_inapplicable(args: argparse.Namespace) -> None:
     if getattr(args, "trust_remote_code", False):
         logger.warning("--trust-remote-code: ignored; compilelm runs only its built-in architectures "
                        "(Llama, Mistral, Qwen2, Qwen3) and never executes a checkpoint's own code")
-    kv_dtype = getattr(args, "kv_cache_dtype", "auto")
-    if kv_dtype != "auto":
-        logger.warning("--kv-cache-dtype %s: not supported, ignored; the KV cache stays in the model's "
-                       "dtype, so it holds fewer tokens in the same memory than vLLM's would", kv_dtype)
     if getattr(args, "disable_log_requests", False):
         logger.warning("--disable-log-requests: requests are not logged by default (as in vLLM, which "
                        "deprecated this flag); --enable-log-requests turns logging on")
@@ -161,7 +158,7 @@ def engine_config_from_args(args: argparse.Namespace, usage_context: str = "llm_
               generation_config=args.generation_config, override_generation_config=tuple(override.items()),
               dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-              kv_cache_memory_gb=args.kv_cache_memory_gb,
+              kv_cache_memory_gb=args.kv_cache_memory_gb, kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
               gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
               tensor_parallel_size=args.tensor_parallel_size, usage_context=usage_context,
@@ -186,7 +183,8 @@ def engine_config_from_args(args: argparse.Namespace, usage_context: str = "llm_
                "block_size": "--block-size", "num_kv_blocks": "--num-kv-blocks",
                "max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
                "gpu_memory_utilization": "--gpu-memory-utilization",
-               "kv_cache_memory_gb": "--kv-cache-memory-gb", "quantization": "--quantization",
+               "kv_cache_memory_gb": "--kv-cache-memory-gb", "kv_cache_dtype": "--kv-cache-dtype",
+               "quantization": "--quantization",
                "tensor_parallel_size": "--tensor-parallel-size",
                "custom_all_reduce_min_bytes": "--custom-all-reduce-min-bytes",
                "generation_config": "--generation-config", "enable_chunked_prefill": "--enable-chunked-prefill"}

@@ -193,12 +193,18 @@ def build_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype, de
             fp8_checkpoint_tensors,
             prepare_fp8_checkpoint,
         )
+        from compilelm.layers.quantization.checkpoint import apply_kv_scales
         prepare_fp8_checkpoint(model, config.quantization)
-        load_weights(model, fp8_checkpoint_tensors(_iterate_safetensors(source.path), config.quantization))
+        kv_scales: dict = {}  # the FP8 KV cache's k/v scales, where the checkpoint has them
+        load_weights(model, fp8_checkpoint_tensors(_iterate_safetensors(source.path), config.quantization, kv_scales))
         finalize_fp8_checkpoint(model, config.quantization)
+        apply_kv_scales(model, kv_scales)
         return model.eval()
     else:
-        load_weights(model, _iterate_safetensors(source.path))
+        from compilelm.layers.quantization.checkpoint import apply_kv_scales, split_kv_scales
+        kv_scales = {}
+        load_weights(model, split_kv_scales(_iterate_safetensors(source.path), kv_scales))
+        apply_kv_scales(model, kv_scales)
     if quantization is not None:
         from compilelm.layers.quantization import quantize_model
         quantize_model(model, quantization)

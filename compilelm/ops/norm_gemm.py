@@ -30,7 +30,13 @@ import torch
 from compilelm.ops.gemm import gate_up_silu_mul_ref, linear_ref
 from compilelm.ops.library import LIB, define
 from compilelm.ops.norm import rms_norm
-from compilelm.ops.qkv_rope import next_cache_args, qkv_rope_cache_ref, qkv_rope_fake
+from compilelm.ops.qkv_rope import (
+    next_cache_args,
+    next_cache_is_fp8,
+    qkv_rope_cache_ref,
+    qkv_rope_fake,
+    rope_into_next_cache,
+)
 
 try:
     import triton
@@ -200,6 +206,9 @@ def linear_add_rms_norm_qkv_rope(x: torch.Tensor, weight: torch.Tensor, residual
                              num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     # qkv_rope of rms_norm(h) (no weight: folded into weight2), h = x @ weight.T + residual
     # -> (rotated q [num_tokens, num_heads * head_dim], h)
+    if next_cache_is_fp8():  # the kernels write model-dtype caches only (compilelm/ops/qkv_rope.py)
+        normed, h = _unfused(x, weight, residual, eps)
+        return rope_into_next_cache(ops.linear(normed, weight2), positions, cos_sin_cache, num_heads), h
     q, h = torch.ops.compilelm.linear_add_rms_norm_qkv_rope_cache(x, weight, residual, eps, weight2, positions,
                                                                   cos_sin_cache, *next_cache_args(num_heads))
     return q.view(x.shape[0], -1), h

@@ -12,6 +12,10 @@ without reading the batch on the host, as the CUDA kernel numbers them: sequence
 [cu[i] // ROWS + i, cu[i + 1] // ROWS + i + 1), so the grid is num_tokens // ROWS + num_seqs + 1
 programs (fixed by the shapes: CUDA-graph safe) and each finds its sequence by binary search.
 Programs run last tile first: the tiles with the most keys start earliest.
+
+FP8 KV caches (float8_e4m3fn): K and V tiles are loaded as fp8 and converted to the query's dtype
+in registers (exact: e4m3 values are bf16 / fp16 values) for the two `tl.dot`s; k_scale multiplies
+the softmax scale, v_scale the normalized output.
 """
 
 from __future__ import annotations
@@ -40,10 +44,11 @@ def set_enabled(enabled: bool) -> bool:
 
 
 def supported(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether `prefill_attention` covers this call (bf16/fp16 on CUDA, head size 64 or 128, a
-    GQA group that divides BLOCK_M)."""
+    """Whether `prefill_attention` covers this call (bf16/fp16 on CUDA, the cache of the query's
+    dtype or float8_e4m3fn, head size 64 or 128, a GQA group that divides BLOCK_M)."""
     head_dim, group = query.shape[2], query.shape[1] // key_cache.shape[2]
     return (triton is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
+            and key_cache.dtype in (query.dtype, torch.float8_e4m3fn)
             and head_dim in CONFIGS and CONFIGS[head_dim][0] % group == 0 and query.stride(2) == 1
             and key_cache.stride(3) == 1)
 
@@ -54,10 +59,12 @@ def serves(query: torch.Tensor, key_cache: torch.Tensor, max_query_len: int) -> 
     return _enabled[0] and max_query_len != 1 and supported(query, key_cache)
 
 
-def warm_up(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -> None:
+def warm_up(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int,
+            dtype: torch.dtype | None = None) -> None:
     """Compiles the kernel for this cache now (Triton compiles at first launch: seconds, which
-    would otherwise land in the first prefill a client sends). Reads the cache, writes nothing."""
-    query = key_cache.new_zeros(4, num_heads, key_cache.shape[3])
+    would otherwise land in the first prefill a client sends). Reads the cache, writes nothing.
+    dtype: the model's (the query's), where the cache is fp8."""
+    query = torch.zeros(4, num_heads, key_cache.shape[3], dtype=dtype or key_cache.dtype, device=key_cache.device)
     if not supported(query, key_cache):
         return
     device = key_cache.device
@@ -78,6 +85,8 @@ def prefill_attention(
     scale: float,
     kernel=None,  # the Triton kernel to launch (tests pass the interpreter's)
     config: tuple[int, int, int, int] | None = None,
+    k_scale: float = 1.0,  # fp8 caches: keys = key_cache * k_scale
+    v_scale: float = 1.0,  # fp8 caches: values = value_cache * v_scale
 ) -> None:
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, num_seqs = key_cache.shape[2], seq_lens.shape[0]
@@ -87,9 +96,10 @@ def prefill_attention(
     block_m, block_n, warps, stages = config or CONFIGS[head_dim]
     rows = block_m // group
     tiles = num_tokens // rows + num_seqs + 1
+    fp8 = key_cache.dtype == torch.float8_e4m3fn
     (kernel or _prefill_attention_kernel)[(tiles, num_kv_heads)](
         query, key_cache, value_cache, out, cu_seqlens_q, seq_lens, block_tables,
-        scale * math.log2(math.e), num_seqs, tiles,
+        scale * math.log2(math.e) * (k_scale if fp8 else 1.0), v_scale if fp8 else 1.0, num_seqs, tiles,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
@@ -120,6 +130,7 @@ if triton is not None:
             k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
+        k = k.to(q.dtype)  # fp8 caches: exact (k_scale is in qk_scale); else nothing to do
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
         if MASK:
             s = tl.where(key[None, :] <= q_pos[:, None], s, float("-inf"))
@@ -131,6 +142,7 @@ if triton is not None:
             v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
         else:
             v = tl.load(v_ptrs)
+        v = v.to(q.dtype)  # fp8 caches: exact (v_scale multiplies the output)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         return acc, l_i, m_new
 
@@ -140,7 +152,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["CU", "SEQ_LENS", "TABLES", "num_seqs", "num_tiles", "stride_tb"],
                 do_not_specialize_on_alignment=["CU", "SEQ_LENS", "TABLES"])
     def _prefill_attention_kernel(
-        Q, K, V, OUT, CU, SEQ_LENS, TABLES, qk_scale, num_seqs, num_tiles,
+        Q, K, V, OUT, CU, SEQ_LENS, TABLES, qk_scale, v_scale, num_seqs, num_tiles,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_tb,
         GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -189,6 +201,6 @@ if triton is not None:
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, start, num_keys, K, V, table, offs_n, offs_d, kv_head,
                                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
                                          PAGE, True)
-        out = acc / l_i[:, None]
+        out = acc / l_i[:, None] * v_scale
         tl.store(OUT + (q_start + row)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=valid[:, None])

@@ -12,9 +12,16 @@ Graph ops (what `passes.fuse_qkv_rope` rewrites to; defined here in Python): qkv
 rms_norm_qkv_rope, fused_add_rms_norm_qkv_rope. They take no cache: they write the next attention
 layer's (compilelm/forward_context.py, "The next layer's KV cache"), so every layer's piece stays
 the same code, compiled once. Outputs are contiguous [num_tokens, num_heads * head_dim].
+
+FP8 KV caches: the kernel ops write caches of the model dtype only (their CUDA kernels and the
+Triton epilogue store x's dtype). Where the next layer's cache is fp8 the graph ops run the
+projection, then rope_and_cache with the layer's scales (`rope_into_next_cache`): the same
+results as the unfused graph, one kernel more (logged once).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import Tensor
@@ -22,7 +29,10 @@ from torch import Tensor
 from compilelm.forward_context import get_forward_context
 from compilelm.ops.gemm import fused_add_rms_norm_linear_ref, linear_ref, rms_norm_linear_ref
 from compilelm.ops.library import define
-from compilelm.ops.rope import rope_and_cache_ref
+from compilelm.ops.rope import FP8_KV_DTYPE, rope_and_cache, rope_and_cache_ref
+
+logger = logging.getLogger("compilelm")
+_logged_fp8 = [False]
 
 
 def qkv_rope_cache(
@@ -127,11 +137,36 @@ def next_cache_args(num_heads: int) -> tuple:
     return (*ctx.next_kv_cache(), ctx.attn_metadata.slot_mapping, num_heads)
 
 
+def next_cache_is_fp8() -> bool:
+    """Whether the next attention layer's KV cache is fp8 (the graph ops then run `rope_into_next_cache`)."""
+    fp8 = get_forward_context().next_kv_cache()[0].dtype == FP8_KV_DTYPE
+    if fp8 and not _logged_fp8[0]:
+        _logged_fp8[0] = True
+        logger.info("FP8 KV cache: the QKV projection's fused RoPE + cache-write kernels write model-dtype caches "
+                    "only; with fp8 the projection and rope_and_cache (which quantizes) run one after the other")
+    return fp8
+
+
+def rope_into_next_cache(qkv: Tensor, positions: Tensor, cos_sin_cache: Tensor, num_heads: int) -> Tensor:
+    """rope_and_cache of a QKV projection's output qkv [M, (num_heads + 2 * kv_heads) * head_size]
+    into the next layer's cache, with its scales -> rotated q [M, num_heads * head_size]."""
+    ctx = get_forward_context()
+    key_cache, value_cache = ctx.next_kv_cache()
+    n, kv_heads, head_size = qkv.shape[0], key_cache.shape[2], key_cache.shape[3]
+    q, k, v = (t.view(n, -1, head_size) for t in qkv.split(
+        [num_heads * head_size, kv_heads * head_size, kv_heads * head_size], dim=-1))
+    q = rope_and_cache(positions, q, k, v, cos_sin_cache, None, None, 0.0, key_cache, value_cache,
+                       ctx.attn_metadata.slot_mapping, *ctx.next_kv_scales())
+    return q.view(n, -1)
+
+
 @define("qkv_rope(Tensor x, Tensor weight, Tensor positions, Tensor cos_sin_cache, int num_heads) -> Tensor",
          qkv_rope_fake)
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
              num_heads: int) -> torch.Tensor:
     # rope_cache of the q | k | v of x @ weight.T -> rotated q [num_tokens, num_heads * head_dim]
+    if next_cache_is_fp8():
+        return rope_into_next_cache(torch.ops.compilelm.linear(x, weight), positions, cos_sin_cache, num_heads)
     q = qkv_rope_cache(x, weight, positions, cos_sin_cache, *next_cache_args(num_heads))
     return q.view(x.shape[0], -1)
 
@@ -141,6 +176,9 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos
 def rms_norm_qkv_rope(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                       positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
     # rope_cache of the q | k | v of rms_norm(x) @ weight.T -> rotated q [num_tokens, num_heads * head_dim]
+    if next_cache_is_fp8():
+        qkv = torch.ops.compilelm.rms_norm_linear(x, norm_weight, eps, weight)
+        return rope_into_next_cache(qkv, positions, cos_sin_cache, num_heads)
     q = rms_norm_qkv_rope_cache(x, norm_weight, eps, weight, positions, cos_sin_cache,
                                     *next_cache_args(num_heads))
     return q.view(x.shape[0], -1)
@@ -152,6 +190,9 @@ def fused_add_rms_norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor, norm_we
                                 weight: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                                 num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     # the same of rms_norm(x + residual) -> (rotated q, x + residual)
+    if next_cache_is_fp8():
+        qkv, residual = torch.ops.compilelm.fused_add_rms_norm_linear(x, residual, norm_weight, eps, weight)
+        return rope_into_next_cache(qkv, positions, cos_sin_cache, num_heads), residual
     q, residual = fused_add_rms_norm_qkv_rope_cache(x, residual, norm_weight, eps, weight, positions,
                                                         cos_sin_cache, *next_cache_args(num_heads))
     return q.view(x.shape[0], -1), residual

@@ -17,6 +17,22 @@ from torch import Tensor
 
 from compilelm.ops.norm import rms_norm
 
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_KV_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def quantize_kv(x: Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> Tensor:
+    """What a cache of `cache_dtype` stores for x: x itself, or for an fp8 cache
+    fp8(clamp(x.float() / scale, -448, 448)) (round to nearest even, saturating: vLLM's e4m3 write)."""
+    if cache_dtype != FP8_KV_DTYPE:
+        return x
+    return (x.float() / scale).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+
+
+def dequantize_kv(cache: Tensor, scale: float = 1.0) -> Tensor:
+    """The fp32 values a reader sees: an fp8 cache times its scale, else the cache widened."""
+    return cache.float() * scale if cache.dtype == FP8_KV_DTYPE else cache.float()
+
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int) -> Tensor:
     """Rotate-half RoPE, written as the two halves (x1 cos - x2 sin | x2 cos + x1 sin): the same
@@ -74,31 +90,34 @@ def rope_and_cache(
     key_cache: Tensor,  # [num_blocks, block_size, num_kv_heads, head_size], written in place
     value_cache: Tensor,  # written in place
     slot_mapping: Tensor,  # int64 [num_tokens]; -1 skips
+    k_scale: float = 1.0,  # fp8 caches: the rotated key stored as fp8(k / k_scale)
+    v_scale: float = 1.0,
 ) -> Tensor:  # rotated query, [num_tokens, num_heads, head_size] contiguous
     return torch.ops.compilelm.rope_and_cache.default(positions, query, key, value, cos_sin_cache, q_norm_weight,
-                                                      k_norm_weight, eps, key_cache, value_cache, slot_mapping)
+                                                      k_norm_weight, eps, key_cache, value_cache, slot_mapping,
+                                                      k_scale, v_scale)
 
 
 def rope_and_cache_ref(positions, query, key, value, cos_sin_cache, q_norm_weight, k_norm_weight, eps, key_cache,
-                       value_cache, slot_mapping) -> Tensor:
+                       value_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> Tensor:
     n, head_size = query.shape[0], query.shape[2]
     if q_norm_weight is not None:
         query, key = rms_norm(query, q_norm_weight, eps), rms_norm(key, k_norm_weight, eps)
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
     q = apply_rope(query.reshape(n, -1), cos, sin, head_size).view(n, -1, head_size)
     k = apply_rope(key.reshape(n, -1), cos, sin, head_size).view(n, -1, head_size)
-    torch.ops.compilelm.reshape_and_cache.default(k, value, key_cache, value_cache, slot_mapping)
+    torch.ops.compilelm.reshape_and_cache.default(k, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     return q.contiguous()
 
 
 @torch.library.register_kernel("compilelm::rope_and_cache", "cpu")
 def _(positions, query, key, value, cos_sin_cache, q_norm_weight, k_norm_weight, eps, key_cache, value_cache,
-      slot_mapping):
+      slot_mapping, k_scale=1.0, v_scale=1.0):
     return rope_and_cache_ref(positions, query, key, value, cos_sin_cache, q_norm_weight, k_norm_weight, eps,
-                              key_cache, value_cache, slot_mapping)
+                              key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 @torch.library.register_fake("compilelm::rope_and_cache")
 def _(positions, query, key, value, cos_sin_cache, q_norm_weight, k_norm_weight, eps, key_cache, value_cache,
-      slot_mapping):
+      slot_mapping, k_scale=1.0, v_scale=1.0):
     return query.new_empty(query.shape)

@@ -4,7 +4,8 @@ The op writes this step's K/V into the paged cache and attends over it, reading 
 and the per-step metadata from the forward context. Dynamo sees a single custom op, which is where
 the compiler splits the graph into pieces. The ops are functional in their schemas (the KV cache
 is written through the forward context, not an argument) and are defined in Python
-(compilelm/ops/library.py: one kernel for every device, run eagerly between the pieces).
+(compilelm/ops/library.py: one kernel for every device, run eagerly between the pieces). FP8 KV
+caches: each op passes its layer's (k_scale, v_scale) from the forward context to the kernels.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from compilelm.ops.library import define
 from compilelm.ops.rope import rope_and_cache
 
 
-def _attend(ctx, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.Tensor:
+def _attend(ctx, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+            scales: tuple[float, float]) -> torch.Tensor:
     """Paged attention of q [num_tokens, num_heads * head_dim] (rotated) over the caches, this
     step's rows already in them -> [num_tokens, num_heads * head_dim]. Where prefill_attention
     serves the batch (CUDA, a step with prefill rows), it attends the prefill rows and
@@ -27,20 +29,20 @@ def _attend(ctx, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     q = q.view(n, -1, head_dim)
     split = prefill.serves(q, key_cache, meta.max_query_len)
     out = paged_attention(q, key_cache, value_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-                          head_dim ** -0.5, meta.max_query_len, prefill_rows=not split)
+                          head_dim ** -0.5, meta.max_query_len, not split, *scales)
     if split:
         prefill.prefill_attention(out, q, key_cache, value_cache, meta.cu_seqlens_q, meta.seq_lens,
-                                  meta.block_tables, head_dim ** -0.5)
+                                  meta.block_tables, head_dim ** -0.5, k_scale=scales[0], v_scale=scales[1])
     return out.view(n, -1)
 
 
 def _rotate_and_cache(ctx, q, k, v, q_norm_weight, k_norm_weight, eps, positions, cos_sin_cache, head_dim,
-                      key_cache, value_cache) -> torch.Tensor:
+                      key_cache, value_cache, scales) -> torch.Tensor:
     """rope_and_cache of q, k, v [num_tokens, heads * head_dim] -> rotated q [num_tokens, num_heads, head_dim]."""
     n = q.shape[0]
     return rope_and_cache(positions, q.view(n, -1, head_dim), k.view(n, -1, head_dim), v.view(n, -1, head_dim),
                               cos_sin_cache, q_norm_weight, k_norm_weight, eps, key_cache, value_cache,
-                              ctx.attn_metadata.slot_mapping)
+                              ctx.attn_metadata.slot_mapping, *scales)
 
 
 @define("unified_attention(Tensor q, Tensor k, Tensor v, str layer_name) -> Tensor")
@@ -53,9 +55,10 @@ def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_n
     num_tokens = q.shape[0]
     k = k.view(num_tokens, num_kv_heads, head_dim)
     v = v.view(num_tokens, num_kv_heads, head_dim)
-    reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+    scales = ctx.kv_scales_of(layer_name)
+    reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, *scales)
     ctx.attention_done(layer_name)
-    return _attend(ctx, q, key_cache, value_cache)
+    return _attend(ctx, q, key_cache, value_cache, scales)
 
 
 # RoPE (and Qwen3's QK-norm) inside attention: what `RopeAttentionFusionPass` rewrites
@@ -70,17 +73,18 @@ def _rope_and_attention(q, k, v, q_norm_weight, k_norm_weight, eps, positions, c
     ctx.attention_done(layer_name)
     meta = ctx.attn_metadata
     key_cache, value_cache = ctx.kv_caches[layer_name]
+    scales = ctx.kv_scales_of(layer_name)
     n = q.shape[0]
     if q_norm_weight is None and not prefill.serves(q.view(n, -1, head_dim), key_cache, meta.max_query_len):
         # one op (on CUDA one kernel for a pure-decode batch)
         out = rope_paged_attention(positions, q.view(n, -1, head_dim), k.view(n, -1, head_dim),
                                        v.view(n, -1, head_dim), cos_sin_cache, key_cache, value_cache,
                                        meta.slot_mapping, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-                                       head_dim ** -0.5, meta.max_query_len)
+                                       head_dim ** -0.5, meta.max_query_len, *scales)
         return out.view(n, -1)
     q = _rotate_and_cache(ctx, q, k, v, q_norm_weight, k_norm_weight, eps, positions, cos_sin_cache, head_dim,
-                          key_cache, value_cache)  # k, v: in the cache
-    return _attend(ctx, q.view(n, -1), key_cache, value_cache)
+                          key_cache, value_cache, scales)  # k, v: in the cache
+    return _attend(ctx, q.view(n, -1), key_cache, value_cache, scales)
 
 
 @define("unified_attention_rope(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin_cache, "
@@ -121,7 +125,7 @@ def rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: tor
     # -> rotated q [num_tokens, num_heads * head_dim]; the rotated k and v go to the next layer's cache
     ctx = get_forward_context()
     q_rotated = _rotate_and_cache(ctx, q, k, v, None, None, 0.0, positions, cos_sin_cache, head_dim,
-                                  *ctx.next_kv_cache())
+                                  *ctx.next_kv_cache(), ctx.next_kv_scales())
     return q_rotated.view(q.shape[0], -1)
 
 
@@ -130,4 +134,4 @@ def unified_attention_rotated(q: torch.Tensor, layer_name: str) -> torch.Tensor:
     # q: [num_tokens, num_heads * head_dim], rotated; this step's k and v already in the cache
     ctx = get_forward_context()
     ctx.attention_done(layer_name)
-    return _attend(ctx, q, *ctx.kv_caches[layer_name])
+    return _attend(ctx, q, *ctx.kv_caches[layer_name], ctx.kv_scales_of(layer_name))

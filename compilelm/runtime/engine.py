@@ -131,8 +131,9 @@ class LLMEngine:
         logger.info("scheduler: up to %d tokens and %d sequences a step (--max-num-batched-tokens, "
                     "--max-num-seqs; defaults as vLLM's for this device and entry point)",
                     config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens; max concurrency at %d tokens "
-                    "per request: %.1fx", num_blocks - 1, config.cache.block_size,
+        kv_dtype = str(config.cache.torch_cache_dtype(self.dtype)).removeprefix("torch.")
+        logger.info("KV cache (%s): %d blocks x %d tokens = %d tokens; max concurrency at %d tokens "
+                    "per request: %.1fx", kv_dtype, num_blocks - 1, config.cache.block_size,
                     (num_blocks - 1) * config.cache.block_size, max_len,
                     (num_blocks - 1) * config.cache.block_size / max_len)
         self._parents: dict[str, _Parent] = {}

@@ -21,7 +21,7 @@ FULL_GRAPH_BYTES = 2 * 2**20
 
 
 def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
-    """Bytes of one KV block on one rank."""
+    """Bytes of one KV block on one rank; `dtype`: the cache's (1 byte an element for float8_e4m3fn)."""
     kv_heads = kv_heads_per_rank(model_config.num_key_value_heads, tp_size)
     per_token = 2 * model_config.num_hidden_layers * kv_heads * model_config.head_dim
     return per_token * block_size * dtype.itemsize

@@ -33,6 +33,7 @@ from compilelm.graphs.cudagraph.dispatch import CudaGraphDispatcher
 from compilelm.graphs.cudagraph.full import CUDAGraphRunner
 from compilelm.graphs.cudagraph.piecewise import PiecewiseGraphs
 from compilelm.graphs.step_inputs import HostBatch, InputBuffers
+from compilelm.layers.attention import kv_cache_scales
 from compilelm.ops import prefill_attention, token_bitmask
 from compilelm.runtime.async_step import AsyncStepOutput
 from compilelm.runtime.memory import engine_graph_sizes, graph_memory_estimate
@@ -70,12 +71,14 @@ class ModelRunner:
         mc = model.config
         self.block_size = config.cache.block_size
         self.num_blocks = num_blocks
-        dtype = next(model.parameters()).dtype
+        dtype = config.cache.torch_cache_dtype(next(model.parameters()).dtype)  # float8_e4m3fn with fp8
         shape = (num_blocks, self.block_size, kv_heads_per_rank(mc.num_key_value_heads, get_tp_size()), mc.head_dim)
         # kv_caches: layer name -> (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_caches = {name: (torch.zeros(shape, dtype=dtype, device=device),
                                  torch.zeros(shape, dtype=dtype, device=device))
                           for name in model.attention_layer_names()}
+        # kv_scales: layer name -> (k_scale, v_scale) of an fp8 cache (forward_context.py); empty otherwise
+        self.kv_scales = kv_cache_scales(model) if config.cache.fp8 else {}
         self.sampler = Sampler()
         # The last async step's sampled ids (int64 [num_sampled], on the device) and each sampled
         # request's row in them: where the next step's pending rows read their input ids.
@@ -91,7 +94,7 @@ class ModelRunner:
         if device.type == "cuda":
             t0 = time.perf_counter()
             prefill_attention.warm_up(*next(iter(self.kv_caches.values())),
-                                      mc.num_attention_heads // get_tp_size())
+                                      mc.num_attention_heads // get_tp_size(), next(model.parameters()).dtype)
             logger.info("prefill attention kernel ready in %.1f s", time.perf_counter() - t0)
             sched = config.scheduler
             full, piecewise = engine_graph_sizes(config)
@@ -112,13 +115,14 @@ class ModelRunner:
             self.piecewise_graphs = PiecewiseGraphs(piecewise, pool)
             self.compiled.wrap_pieces(self.piecewise_graphs.wrap)
             static = [*self.model.parameters(), *self.model.buffers(), self.buffers.dev]
-            self.piecewise_graphs.capture(self.forward_fn, self.buffers, self.kv_caches, static, warm)
+            self.piecewise_graphs.capture(self.forward_fn, self.buffers, self.kv_caches, static, warm,
+                                          kv_scales=self.kv_scales)
             stream = self.piecewise_graphs.stream
         if full:
             self.logits_buffer = torch.empty(max(full), self.model.config.vocab_size, device=self.device,
                                              dtype=next(self.model.parameters()).dtype)
             self.cuda_graphs = CUDAGraphRunner(full, pool, stream)
-            self.cuda_graphs.capture(self._forward_logits, self.buffers, self.kv_caches, warm)
+            self.cuda_graphs.capture(self._forward_logits, self.buffers, self.kv_caches, warm, kv_scales=self.kv_scales)
         self.dispatcher = CudaGraphDispatcher(tuple(full), tuple(piecewise))
         measured = sum(g.memory_bytes for g in (self.piecewise_graphs, self.cuda_graphs) if g is not None)
         estimate = graph_memory_estimate(self.model.config, next(self.model.parameters()).dtype, full, piecewise)
@@ -290,7 +294,7 @@ class ModelRunner:
             return logits.index_select(0, logits_idx)
         pieces = (self.piecewise_graphs.at_size(step.graph_size) if step.graph_mode == "piecewise"
                   else contextlib.nullcontext())
-        with set_forward_context(ForwardContext(meta, self.kv_caches)), pieces:
+        with set_forward_context(ForwardContext(meta, self.kv_caches, self.kv_scales)), pieces:
             hidden = self.forward_fn(input_ids, positions)
         if num_rows == 0:
             return None

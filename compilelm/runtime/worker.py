@@ -55,8 +55,8 @@ class Worker:
         config, cache = self.config, self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        per_block = memory.kv_bytes_per_block(self.model_config, cache.block_size, self.dtype,
-                                              config.tensor_parallel_size)
+        per_block = memory.kv_bytes_per_block(self.model_config, cache.block_size,
+                                              cache.torch_cache_dtype(self.dtype), config.tensor_parallel_size)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             # minus the activations and the CUDA graphs' pool (full + piecewise), allocated after the cache

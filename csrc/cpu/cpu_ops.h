@@ -10,7 +10,9 @@ void reshape_and_cache(
     const at::Tensor& value,
     at::Tensor& key_cache,
     at::Tensor& value_cache,
-    const at::Tensor& slot_mapping);
+    const at::Tensor& slot_mapping,
+    double k_scale,   // float8_e4m3fn caches: key_cache = fp8(key / k_scale)
+    double v_scale);
 
 at::Tensor paged_attention(
     const at::Tensor& query,
@@ -21,6 +23,8 @@ at::Tensor paged_attention(
     const at::Tensor& block_tables,
     double scale,
     int64_t max_query_len,
-    bool prefill_rows);  // ignored: every row is written
+    bool prefill_rows,  // ignored: every row is written
+    double k_scale,     // float8_e4m3fn caches: keys = key_cache * k_scale
+    double v_scale);
 
 }  // namespace compilelm::cpu

@@ -15,11 +15,16 @@
 // positions at a time with an online (flash-style) softmax; all math is fp32. Items are
 // sorted longest first and pulled from a shared counter, so one long prefill next to many
 // decodes still keeps every thread busy.
+//
+// A float8_e4m3fn cache (FP8 KV cache) is widened through a 256-entry table; k_scale folds into
+// the query's pre-scale and v_scale into the output (keys = key_cache * k_scale, values alike).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -44,7 +49,8 @@ struct Problem {
   const int32_t* cu_seqlens_q;
   const int32_t* seq_lens;
   const int32_t* block_tables;
-  float scale;
+  float scale;    // the softmax scale times k_scale (fp8 caches)
+  float v_scale;  // 1, or an fp8 cache's value scale
 };
 
 struct WorkItem {
@@ -135,11 +141,26 @@ void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
   vec::bf16_to_float(src, dst, n);
 }
 
+// float8_e4m3fn code -> its value (all 256 codes; 0x7f / 0xff are NaN).
+const float* fp8_table() {
+  static const auto table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+
 // fp32 view of one cache row: the row itself for fp32, else widened into buf.
 template <typename scalar_t>
 inline const float* as_float(const scalar_t* row, float* buf, int64_t D) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     return row;
+  } else if constexpr (std::is_same_v<scalar_t, c10::Float8_e4m3fn>) {
+    const float* table = fp8_table();
+    const auto* codes = reinterpret_cast<const uint8_t*>(row);
+    for (int64_t d = 0; d < D; ++d) buf[d] = table[codes[d]];
+    return buf;
   } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     widen_bf16(reinterpret_cast<const uint16_t*>(row), buf, D);
     return buf;
@@ -149,9 +170,9 @@ inline const float* as_float(const scalar_t* row, float* buf, int64_t D) {
   }
 }
 
-template <typename scalar_t>
-void run_item(const WorkItem& w, const Problem& p, const scalar_t* query, const scalar_t* key_cache,
-              const scalar_t* value_cache, scalar_t* out, Scratch& s) {
+template <typename scalar_t, typename cache_t>
+void run_item(const WorkItem& w, const Problem& p, const scalar_t* query, const cache_t* key_cache,
+              const cache_t* value_cache, scalar_t* out, Scratch& s) {
   const int64_t D = p.head_size;
   const int64_t first_row = p.cu_seqlens_q[w.seq];
   const int64_t q_len = p.cu_seqlens_q[w.seq + 1] - first_row;
@@ -196,7 +217,7 @@ void run_item(const WorkItem& w, const Problem& p, const scalar_t* query, const 
     const int64_t token = first_row + w.row_begin + i / p.group;
     const int64_t head = w.kv_head * p.group + i % p.group;
     scalar_t* dst = out + (token * p.num_heads + head) * D;
-    const float inv = 1.f / s.l[i];  // l > 0: every row sees at least position 0
+    const float inv = p.v_scale / s.l[i];  // l > 0: every row sees at least position 0
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(s.acc[i * D + d] * inv);
   }
 }
@@ -242,10 +263,17 @@ at::Tensor paged_attention(
     const at::Tensor& block_tables,
     double scale,
     int64_t max_query_len,
-    bool /*prefill_rows: every row is written*/) {
+    bool /*prefill_rows: every row is written*/,
+    double k_scale,
+    double v_scale) {
   TORCH_CHECK(query.device().is_cpu(), "query must be a CPU tensor, got ", query.device());
   TORCH_CHECK(max_query_len >= 0, "max_query_len must be >= 0 (0 = unknown), got ", max_query_len);
   check_paged_attention_args(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables);
+  const bool fp8 = key_cache.scalar_type() == at::kFloat8_e4m3fn;
+  if (fp8) {
+    check_kv_scale(k_scale, "k_scale");
+    check_kv_scale(v_scale, "v_scale");
+  }
   const int64_t num_heads = query.size(1);
   const int64_t num_kv_heads = key_cache.size(2);
   const int64_t num_seqs = seq_lens.size(0);
@@ -264,7 +292,8 @@ at::Tensor paged_attention(
                   cu.const_data_ptr<int32_t>(),
                   lens.const_data_ptr<int32_t>(),
                   tables.const_data_ptr<int32_t>(),
-                  static_cast<float>(scale)};
+                  static_cast<float>(fp8 ? scale * k_scale : scale),
+                  fp8 ? static_cast<float>(v_scale) : 1.f};
   const int64_t num_tokens = query.size(0);
   const std::vector<WorkItem> items = plan(p, num_seqs, num_tokens, key_cache.size(0));
 
@@ -278,19 +307,26 @@ at::Tensor paged_attention(
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
     const scalar_t* q = query.const_data_ptr<scalar_t>();
-    const scalar_t* k = key_cache.const_data_ptr<scalar_t>();
-    const scalar_t* v = value_cache.const_data_ptr<scalar_t>();
     scalar_t* o = out.mutable_data_ptr<scalar_t>();
-    std::atomic<int64_t> next{0};
-    const auto worker = [&](int64_t /*begin*/, int64_t /*end*/) {
-      Scratch scratch(p, p.rows_per_item * p.group);
-      const auto n = static_cast<int64_t>(items.size());
-      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
-        run_item<scalar_t>(items[i], p, q, k, v, o, scratch);
-      }
+    const auto run = [&](const auto* k, const auto* v) {
+      using cache_t = std::remove_cv_t<std::remove_pointer_t<decltype(k)>>;
+      std::atomic<int64_t> next{0};
+      const auto worker = [&](int64_t /*begin*/, int64_t /*end*/) {
+        Scratch scratch(p, p.rows_per_item * p.group);
+        const auto n = static_cast<int64_t>(items.size());
+        for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+          run_item<scalar_t, cache_t>(items[i], p, q, k, v, o, scratch);
+        }
+      };
+      // One slot per thread; each drains the shared queue (a nested call runs serially).
+      at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items.size()), 1, worker);
     };
-    // One slot per thread; each drains the shared queue (a nested call runs serially).
-    at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items.size()), 1, worker);
+    if (fp8) {
+      run(static_cast<const c10::Float8_e4m3fn*>(key_cache.const_data_ptr()),
+          static_cast<const c10::Float8_e4m3fn*>(value_cache.const_data_ptr()));
+    } else {
+      run(key_cache.const_data_ptr<scalar_t>(), value_cache.const_data_ptr<scalar_t>());
+    }
   });
   return out;
 }

@@ -10,12 +10,23 @@
 
 namespace compilelm::cuda {
 
-// The 16 / sizeof(T) elements of a 16-byte vector, widened to fp32.
+// The 16 / sizeof(T) elements of a 16-byte vector, widened to fp32 (T = __nv_fp8_e4m3: the 16
+// codes of an FP8 KV cache row, two per conversion; their scale is applied by the caller).
 template <typename T>
 __device__ __forceinline__ void widen(const uint4& v, float (&f)[16 / sizeof(T)]) {
-  const T* e = reinterpret_cast<const T*>(&v);
+  if constexpr (sizeof(T) == 1) {
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-  for (int i = 0; i < 16 / static_cast<int>(sizeof(T)); ++i) f[i] = to_float(e[i]);
+    for (int i = 0; i < 8; ++i) {
+      const float2 pair = fp8x2_to_float2(static_cast<uint16_t>(words[i / 2] >> (16 * (i % 2))));
+      f[2 * i] = pair.x;
+      f[2 * i + 1] = pair.y;
+    }
+  } else {
+    const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int i = 0; i < 16 / static_cast<int>(sizeof(T)); ++i) f[i] = to_float(e[i]);
+  }
 }
 
 // Neox RoPE of element x of a head, given its pair element `other` (j +- head_size / 2) and the

@@ -17,7 +17,9 @@ void reshape_and_cache(
     const at::Tensor& value,
     at::Tensor& key_cache,
     at::Tensor& value_cache,
-    const at::Tensor& slot_mapping);
+    const at::Tensor& slot_mapping,
+    double k_scale,
+    double v_scale);
 
 at::Tensor paged_attention(
     const at::Tensor& query,
@@ -28,7 +30,9 @@ at::Tensor paged_attention(
     const at::Tensor& block_tables,
     double scale,
     int64_t max_query_len,
-    bool prefill_rows);
+    bool prefill_rows,
+    double k_scale,
+    double v_scale);
 
 // rope_and_cache(...), then paged_attention(...) of the rotated query; in one kernel for a
 // pure-decode batch (max_query_len == 1) where launch_rope_paged_attention_decode covers it.
@@ -45,7 +49,9 @@ at::Tensor rope_paged_attention(
     const at::Tensor& seq_lens,
     const at::Tensor& block_tables,
     double scale,
-    int64_t max_query_len);
+    int64_t max_query_len,
+    double k_scale,
+    double v_scale);
 
 // The checked arguments of one call as kernel parameters, with the contiguous tensors they point
 // into (alive as long as the call): shared by the ops that launch the same kernels.
@@ -56,7 +62,8 @@ struct AttentionCall {  // paged_attention.cpp; params.out unset
 };
 AttentionCall attention_call(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
-                             const at::Tensor& block_tables, double scale);
+                             const at::Tensor& block_tables, double scale, double k_scale = 1.0,
+                             double v_scale = 1.0);
 // paged_attention's launch half: writes out (shaped like the call's query, on its device); the
 // rows of sequences with q_len > 1 only if prefill_rows.
 void run_attention(AttentionCall& call, const at::Tensor& out, int64_t max_query_len, bool prefill_rows = true);
@@ -69,7 +76,8 @@ RopeCacheCall rope_cache_call(const at::Tensor& positions, const at::Tensor& que
                               const at::Tensor& value, const at::Tensor& cos_sin_cache,
                               const std::optional<at::Tensor>& q_norm_weight,
                               const std::optional<at::Tensor>& k_norm_weight, double eps, at::Tensor& key_cache,
-                              at::Tensor& value_cache, const at::Tensor& slot_mapping);
+                              at::Tensor& value_cache, const at::Tensor& slot_mapping, double k_scale = 1.0,
+                              double v_scale = 1.0);
 // rope_and_cache's launch half: returns the rotated query (on query's device, its guard set).
 at::Tensor run_rope_and_cache(RopeCacheCall& call, const at::Tensor& query);
 
@@ -85,7 +93,9 @@ at::Tensor rope_and_cache(
     double eps,
     at::Tensor& key_cache,
     at::Tensor& value_cache,
-    const at::Tensor& slot_mapping);
+    const at::Tensor& slot_mapping,
+    double k_scale,
+    double v_scale);
 
 // fused_ops.cpp
 std::tuple<at::Tensor, at::Tensor> quant_fp8_per_token(const at::Tensor& x);

@@ -21,7 +21,10 @@ struct AttentionParams {
   int64_t q_stride;
   int64_t block_stride, slot_stride, head_stride;  // of the caches, in elements (head_size: stride 1)
   int num_seqs, num_tokens, num_heads, num_kv_heads, group, head_size, block_size, max_blocks;
-  float scale_log2;  // softmax scale * log2(e): scores are exponentiated with exp2
+  float scale_log2;  // softmax scale * log2(e) (* k_scale, fp8 caches): scores are exponentiated with exp2
+  bool fp8_cache;    // the caches are float8_e4m3fn (FP8 KV cache): keys = code * k_scale (folded into
+                     // scale_log2), values = code * v_scale
+  float v_scale;     // fp8 caches: applied to each normalized output (1 otherwise)
 };
 
 // Split-K of the decode kernel: its programs' partial outputs, still to be merged.
@@ -59,8 +62,10 @@ void launch_paged_attention_prefill(const AttentionParams& p, const SplitParams&
 
 // Copies key/value rows to their cache slots (see reshape_and_cache.cpp), in 16-byte units
 // when vectorized, else in elements.
+// A float8_e4m3fn cache (FP8 KV cache) stores fp8(x / scale) per element instead (k_scale, v_scale).
 void launch_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                              at::Tensor& value_cache, const at::Tensor& slot_mapping, bool vectorized);
+                              at::Tensor& value_cache, const at::Tensor& slot_mapping, bool vectorized,
+                              float k_scale = 1.f, float v_scale = 1.f);
 
 // The fused row kernels: one program per row (token). Layouts of the ops in csrc/ops.cpp.
 enum class QuantMode { kNone, kStatic, kDynamic };  // output in x's dtype | fp8, given scale | fp8, per-row scale
@@ -104,6 +109,8 @@ struct RopeCacheParams {
   float eps;
   bool cos_sin_fp32;
   bool early_dependents;  // set by the launcher (rope_cache_kernels.cu)
+  bool fp8_cache;         // float8_e4m3fn caches: rows stored as fp8(x / k_scale), fp8(v / v_scale)
+  float k_scale, v_scale;
 };
 
 void launch_rope_and_cache(const RopeCacheParams& p, at::ScalarType dtype);
@@ -118,8 +125,8 @@ constexpr int kSmallModelQueryWidth = 1024;
 // is the query before RoPE; r's query and q_out are unused, its key and value are this step's
 // rows, rotated / copied into the cache by the kernel. Returns false, launching nothing, where
 // the batch would not run as thread block clusters (sm_90+, small batches) or the shapes are not
-// covered (bf16/fp16, head_size 64 or 128, groups of up to 8 heads): the caller then runs
-// rope_and_cache and paged_attention.
+// covered (bf16/fp16 caches, head_size 64 or 128, groups of up to 8 heads; not fp8 caches): the
+// caller then runs rope_and_cache and paged_attention.
 bool launch_rope_paged_attention_decode(const AttentionParams& p, const RopeCacheParams& r, at::ScalarType dtype,
                                         int64_t max_context);
 

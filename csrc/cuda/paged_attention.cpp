@@ -17,6 +17,13 @@
 // The caches may be any strided view with head_size contiguous: [num_blocks, block_size,
 // num_kv_heads, head_size] contiguous, or head-major blocks permuted to that shape.
 //
+// FP8 KV caches (float8_e4m3fn beside a bf16/fp16/fp32 query): the decode kernel on CUDA cores
+// reads them (16 codes a 16-byte load, k_scale folded into the softmax scale, v_scale applied to
+// the output); the tiled prefill kernel and the decode tensor-core kernel take model-dtype caches
+// only, so with prefill_rows every row goes through the decode kernel (one row per program), and
+// with prefill_rows=False (compilelm/ops/prefill_attention.py attends the prefill rows) the
+// prefill kernel only merges and zeroes. rope_paged_attention runs its two ops.
+//
 // Values are trusted, as in any kernel that must not sync: cu_seqlens_q non-decreasing from 0,
 // q_len <= seq_len <= max_blocks * block_size, block ids inside the cache (the CPU kernel
 // checks these; here a bad value reads the wrong rows).
@@ -31,10 +38,15 @@ namespace compilelm::cuda {
 
 AttentionCall attention_call(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
-                             const at::Tensor& block_tables, double scale) {
+                             const at::Tensor& block_tables, double scale, double k_scale, double v_scale) {
   TORCH_CHECK(query.is_cuda(), "query must be a CUDA tensor, got ", query.device());
   check_paged_attention_args(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables,
                              /*strided_cache=*/true);
+  const bool fp8 = key_cache.scalar_type() == at::kFloat8_e4m3fn;
+  if (fp8) {
+    check_kv_scale(k_scale, "k_scale");
+    check_kv_scale(v_scale, "v_scale");
+  }
   const int64_t elem = key_cache.element_size();
   TORCH_CHECK(key_cache.stride(0) * elem % 16 == 0 && key_cache.stride(1) * elem % 16 == 0 &&
                   key_cache.stride(2) * elem % 16 == 0 &&
@@ -74,7 +86,9 @@ AttentionCall attention_call(const at::Tensor& query, const at::Tensor& key_cach
   p.head_size = static_cast<int>(query.size(2));
   p.block_size = static_cast<int>(key_cache.size(1));
   p.max_blocks = static_cast<int>(call.block_tables.size(1));
-  p.scale_log2 = static_cast<float>(scale) * kLog2e;
+  p.scale_log2 = static_cast<float>(fp8 ? scale * k_scale : scale) * kLog2e;
+  p.fp8_cache = fp8;
+  p.v_scale = fp8 ? static_cast<float>(v_scale) : 1.f;
   return call;
 }
 
@@ -87,9 +101,12 @@ at::Tensor paged_attention(
     const at::Tensor& block_tables,
     double scale,
     int64_t max_query_len,
-    bool prefill_rows) {
+    bool prefill_rows,
+    double k_scale,
+    double v_scale) {
   TORCH_CHECK(max_query_len >= 0, "max_query_len must be >= 0 (0 = unknown), got ", max_query_len);
-  AttentionCall call = attention_call(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale);
+  AttentionCall call = attention_call(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                                      k_scale, v_scale);
   TORCH_CHECK(prefill_rows || prefill_supported(query.scalar_type(), call.params.head_size, call.params.group),
               "paged_attention(prefill_rows=False) needs the tiled prefill kernel's shapes (bf16/fp16, head_size 64 "
               "or 128), got ", query.scalar_type(), ", head_size ", query.size(2));
@@ -109,7 +126,9 @@ void run_attention(AttentionCall& call, const at::Tensor& out, int64_t max_query
   p.out = out.mutable_data_ptr();
 
   at::Tensor workspace;  // split-K partials: alive until both kernels are enqueued
-  if (max_query_len != 1 && prefill_supported(out.scalar_type(), p.head_size, p.group)) {  // (out: the query's dtype)
+  // (out: the query's dtype); fp8 caches: the tiled prefill kernel only where it attends no rows
+  if (max_query_len != 1 && prefill_supported(out.scalar_type(), p.head_size, p.group) &&
+      (!p.fp8_cache || !prefill_rows)) {
     const SplitParams splits = launch_paged_attention_decode(p, out, /*all_rows=*/false, call.max_context, workspace);
     launch_paged_attention_prefill(p, splits, out, prefill_rows);
   } else {
@@ -136,17 +155,19 @@ at::Tensor rope_paged_attention(
     const at::Tensor& seq_lens,
     const at::Tensor& block_tables,
     double scale,
-    int64_t max_query_len) {
+    int64_t max_query_len,
+    double k_scale,
+    double v_scale) {
   TORCH_CHECK(max_query_len >= 0, "max_query_len must be >= 0 (0 = unknown), got ", max_query_len);
   // every argument of both ops checked once: rope's here, attention's below (on the raw query
   // where it qualifies for the kernel: the rotated one has its shape, dtype and device)
   RopeCacheCall rope = rope_cache_call(positions, query, key, value, cos_sin_cache, std::nullopt, std::nullopt, 0.0,
-                                       key_cache, value_cache, slot_mapping);
+                                       key_cache, value_cache, slot_mapping, k_scale, v_scale);
   const c10::cuda::CUDAGuard device_guard(query.device());
   const auto aligned = [](const at::Tensor& t) {  // 16-byte rows: the kernel's vector loads
     return t.stride(0) * t.element_size() % 16 == 0 && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
   };
-  if (max_query_len == 1 && query.size(0) > 0 && seq_lens.size(0) > 0 &&
+  if (max_query_len == 1 && query.size(0) > 0 && seq_lens.size(0) > 0 && !rope.params.fp8_cache &&
       query.size(1) * query.size(2) > kSmallModelQueryWidth && aligned(query) && aligned(key) && aligned(value) &&
       aligned(rope.cos_sin_cache)) {
     AttentionCall call = attention_call(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale);
@@ -163,7 +184,7 @@ at::Tensor rope_paged_attention(
   }
   const at::Tensor rotated = run_rope_and_cache(rope, query);
   return paged_attention(rotated, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_query_len,
-                         /*prefill_rows=*/true);
+                         /*prefill_rows=*/true, k_scale, v_scale);
 }
 
 }  // namespace compilelm::cuda

@@ -25,6 +25,12 @@
 // tensor-core kernel of paged_attention_decode_mma.cu instead (same programs, splits and merges;
 // compilelm::set_decode_mma(False) keeps them here).
 //
+// FP8 KV caches (C = __nv_fp8_e4m3, queries of T): a 16-byte load holds 16 codes of a row, widened
+// to fp32 in registers (two per conversion: attention_common.cuh); k_scale is folded into the
+// softmax scale (p.scale_log2) and v_scale multiplies each normalized output (p.v_scale, 1 for
+// model-dtype caches). A program holds at most 4 query heads (GP) with an fp8 cache: its query
+// and accumulator rows are twice as long per lane. Never on tensor cores, never with kRope.
+//
 // RoPE inside (kRope, rope_paged_attention): in the cluster launches of a pure-decode batch the
 // kernel takes the QKV projection's output as it is: each program rotates its heads' query rows
 // and the split that holds the row's new key rotates that key, writes it and the value to their
@@ -66,9 +72,9 @@ __device__ __forceinline__ uint4 load_stream(const void* ptr) {
 // outside a cluster (the multi-wave launches). A one-wave launch wants more loads in flight per
 // program, so clusters keep 4 (8 lengthens the loads before the PDL wait more than it shortens
 // the key loop). Measurements: docs/perf.md, "Paged attention".
-template <typename T, int D, int GP, bool kCluster>
-struct DecodeTile {
-  static constexpr int kVec = 16 / sizeof(T);                     // elements per 16-byte load
+template <typename C, int D, int GP, bool kCluster>
+struct DecodeTile {  // C: the cache's element type
+  static constexpr int kVec = 16 / sizeof(C);                     // cache elements per 16-byte load
   static constexpr int kLanes = D / kVec < 32 ? D / kVec : 32;    // lanes per key row
   static constexpr int kLoads = D / (kVec * kLanes);              // 16-byte loads per lane per row
   static constexpr int kGroups = kWarps * (32 / kLanes);          // row groups per program
@@ -129,13 +135,30 @@ __device__ __forceinline__ void rotate_row(float (&x)[kVec], const float (&c)[kV
   }
 }
 
-template <typename T, int D, int GP, bool kCluster, bool kRope>
+// kN elements of T at src (16-byte aligned) widened to fp32, zeros where !valid: kN * sizeof(T) / 16
+// loads (an fp8 cache's 16 elements of a lane are two loads of a bf16 query).
+template <typename T, int kN>
+__device__ __forceinline__ void load_widened(const T* src, bool valid, float (&f)[kN]) {
+  constexpr int kPer = 16 / sizeof(T);
+  static_assert(kN % kPer == 0, "whole 16-byte loads");
+#pragma unroll
+  for (int i = 0; i < kN / kPer; ++i) {
+    const uint4 raw = valid ? reinterpret_cast<const uint4*>(src)[i] : make_uint4(0, 0, 0, 0);
+    float part[kPer];
+    widen<T>(raw, part);
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) f[i * kPer + e] = part[e];
+  }
+}
+
+template <typename T, typename C, int D, int GP, bool kCluster, bool kRope>
 __global__ void __launch_bounds__(kWarps * 32)
     paged_attention_decode_kernel(const AttentionParams p, const SplitParams s, const RopeCacheParams r) {
-  using Tile = DecodeTile<T, D, GP, kCluster>;
+  using Tile = DecodeTile<C, D, GP, kCluster>;
   constexpr int kVec = Tile::kVec, kLanes = Tile::kLanes, kLoads = Tile::kLoads;
   constexpr int kGroups = Tile::kGroups, kUnroll = Tile::kUnroll;
-  static_assert(!kRope || (kCluster && kLoads == 1 && sizeof(T) == 2), "RoPE inside: 16-bit types, cluster launches");
+  static_assert(!kRope || (kCluster && kLoads == 1 && sizeof(T) == 2 && sizeof(C) == sizeof(T)),
+                "RoPE inside: 16-bit types and caches, cluster launches");
   __shared__ float s_acc[kWarps][GP][D];  // each warp's merged softmax state
   __shared__ float s_m[kWarps][GP], s_l[kWarps][GP];
   __shared__ float s_weight[kCluster ? 1 : GP][kCluster ? 1 : kMaxSplits];  // the last split's merge weights
@@ -169,8 +192,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 
   const int32_t* block_table = p.block_tables + static_cast<int64_t>(located ? seq : 0) * p.max_blocks;
   const int64_t head_offset = kv_head * p.head_stride + lane_in_row * kVec;
-  const T* k_base = static_cast<const T*>(p.key_cache) + head_offset;
-  const T* v_base = static_cast<const T*>(p.value_cache) + head_offset;
+  const C* k_base = static_cast<const C*>(p.key_cache) + head_offset;
+  const C* v_base = static_cast<const C*>(p.value_cache) + head_offset;
 
   // kRope: fresh_k / fresh_v: the new key (rotated) and value row's 16 bytes of this lane, in the
   // split that holds key `fresh_key` (else -1)
@@ -270,11 +293,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int g = 0; g < GP; ++g) {
 #pragma unroll
     for (int l = 0; l < kLoads; ++l) {
-      uint4 raw = make_uint4(0, 0, 0, 0);
-      if (g < num_q) {
-        raw = *reinterpret_cast<const uint4*>(query + (head0 + g) * D + (l * kLanes + lane_in_row) * kVec);
-      }
-      widen<T>(raw, q[g][l]);
+      load_widened<T, kVec>(query + (head0 + g) * D + (l * kLanes + lane_in_row) * kVec, g < num_q, q[g][l]);
       if constexpr (kRope) rotate_row<T, kVec, kLanes>(q[g][l], rope_cos, rope_sin, upper);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) q[g][l][e] *= p.scale_log2;
@@ -342,7 +361,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
       for (int l = 0; l < kLoads; ++l) {
         float k[kVec];
-        widen<T>(k_raw[u][l], k);
+        widen<C>(k_raw[u][l], k);
 #pragma unroll
         for (int g = 0; g < GP; ++g)
 #pragma unroll
@@ -383,7 +402,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
       for (int l = 0; l < kLoads; ++l) {
         float v[kVec];
-        widen<T>(v_raw[u][l], v);
+        widen<C>(v_raw[u][l], v);
 #pragma unroll
         for (int g = 0; g < GP; ++g)
 #pragma unroll
@@ -430,6 +449,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
   __syncthreads();
   merge_warp_states<kWarps, GP, D>(num_q, s_acc, s_m, s_l, [&](int g, int d, float o, float lse) {
+    o *= p.v_scale;  // fp8 caches: values = code * v_scale (1 otherwise: exact)
     if constexpr (kCluster) {
       s_out[g][d] = o;
       if (d == 0) s_lse[g] = lse;
@@ -473,19 +493,19 @@ int choose_num_splits(int64_t programs, int64_t capacity, int64_t max_context, i
   return best;
 }
 
-template <typename T, int D, int GP>
+template <typename T, typename C, int D, int GP>
 int64_t resident_programs() {  // of the split-K (non-cluster) kernel, on the whole GPU
   static const int64_t capacity =
-      resident_blocks(paged_attention_decode_kernel<T, D, GP, false, false>, kWarps * 32, 0);
+      resident_blocks(paged_attention_decode_kernel<T, C, D, GP, false, false>, kWarps * 32, 0);
   return capacity;
 }
 
 // How many 16-block clusters of the cluster kernel the GPU holds at once (0: none, or the
 // non-portable size is refused): a launch uses 16 splits only if all its clusters fit.
-template <typename T, int D, int GP, bool kRope>
+template <typename T, typename C, int D, int GP, bool kRope>
 int resident_clusters_16() {
   static const int clusters = [] {
-    auto kernel = paged_attention_decode_kernel<T, D, GP, true, kRope>;
+    auto kernel = paged_attention_decode_kernel<T, C, D, GP, true, kRope>;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
       (void)cudaGetLastError();
       return 0;
@@ -517,17 +537,17 @@ int resident_clusters_16() {
 // launch fills the SMs or where their splits are too few for the keys. 16-block clusters
 // (non-portable) halve a split, and so the key loop. Measurements: docs/perf.md, "Paged
 // attention".
-template <typename T, int D, int GP, bool kRope>
+template <typename T, typename C, int D, int GP, bool kRope>
 int cluster_splits(int64_t programs, int64_t max_context) {
   if (!cluster_merge_enabled() || at::cuda::getCurrentDeviceProperties()->major < 9) return 0;
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int max_splits = programs <= resident_clusters_16<T, D, GP, kRope>() ? kMaxClusterSplits
+  const int max_splits = programs <= resident_clusters_16<T, C, D, GP, kRope>() ? kMaxClusterSplits
                                                                             : kPortableClusterSplits;
   const int splits = choose_num_splits(programs, sms, max_context, max_splits);
   return splits > 1 && programs * splits <= sms && max_context <= splits * kMaxClusterSplitKeys ? splits : 0;
 }
 
-template <typename T, int D, int GP>
+template <typename T, typename C, int D, int GP>
 SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_rows, int64_t max_context,
                    at::Tensor& workspace) {
   const int rows = all_rows ? p.num_tokens : p.num_seqs;
@@ -535,8 +555,8 @@ SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_r
   const int64_t programs = static_cast<int64_t>(rows) * p.num_kv_heads * chunks;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (all_rows) {
-    if (const int splits = cluster_splits<T, D, GP, false>(programs, max_context)) {
-      launch_kernel_in_clusters(paged_attention_decode_kernel<T, D, GP, true, false>,
+    if (const int splits = cluster_splits<T, C, D, GP, false>(programs, max_context)) {
+      launch_kernel_in_clusters(paged_attention_decode_kernel<T, C, D, GP, true, false>,
                                 dim3(static_cast<unsigned>(programs), splits), dim3(1, splits, 1), kWarps * 32, 0,
                                 stream, p, SplitParams{all_rows, splits, nullptr, nullptr, nullptr}, RopeCacheParams{});
       return SplitParams{all_rows, 1, nullptr, nullptr, nullptr};  // merged: nothing left to the caller
@@ -544,11 +564,11 @@ SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_r
   }
   // on tensor cores (paged_attention_decode_mma.cu) where supported: one program per kv head
   const at::ScalarType dtype = query.scalar_type();
-  const bool mma = decode_mma_supported(dtype, p.head_size, p.group);
+  const bool mma = !p.fp8_cache && decode_mma_supported(dtype, p.head_size, p.group);  // model-dtype caches only
   const int64_t mma_programs = static_cast<int64_t>(rows) * p.num_kv_heads;
   const int splits = mma ? choose_num_splits(mma_programs, decode_mma_resident_programs(dtype, p.head_size),
                                              max_context, kMaxSplits)
-                         : choose_num_splits(programs, resident_programs<T, D, GP>(), max_context, kMaxSplits);
+                         : choose_num_splits(programs, resident_programs<T, C, D, GP>(), max_context, kMaxSplits);
   SplitParams s{all_rows, splits, nullptr, nullptr, nullptr};
   if (splits > 1) {  // workspace from torch's caching allocator: stream-ordered, capture-safe
     const int64_t partials = static_cast<int64_t>(rows) * p.num_heads * splits;
@@ -560,7 +580,7 @@ SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_r
   if (mma) {
     launch_paged_attention_decode_mma(p, s, dtype, mma_programs);
   } else {
-    launch_kernel(paged_attention_decode_kernel<T, D, GP, false, false>,
+    launch_kernel(paged_attention_decode_kernel<T, C, D, GP, false, false>,
                   dim3(static_cast<unsigned>(programs), splits), kWarps * 32, 0, stream, p, s, RopeCacheParams{});
   }
   if (all_rows && splits > 1 && s.arrivals == nullptr) {
@@ -574,9 +594,9 @@ SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_r
 template <typename T, int D, int GP>
 bool launch_rope(const AttentionParams& p, const RopeCacheParams& r, int64_t max_context) {
   const int64_t programs = static_cast<int64_t>(p.num_tokens) * p.num_kv_heads;  // GP covers the group
-  const int splits = cluster_splits<T, D, GP, true>(programs, max_context);
+  const int splits = cluster_splits<T, T, D, GP, true>(programs, max_context);
   if (splits == 0) return false;
-  launch_kernel_in_clusters(paged_attention_decode_kernel<T, D, GP, true, true>,
+  launch_kernel_in_clusters(paged_attention_decode_kernel<T, T, D, GP, true, true>,
                             dim3(static_cast<unsigned>(programs), splits), dim3(1, splits, 1), kWarps * 32, 0,
                             c10::cuda::getCurrentCUDAStream(), p, SplitParams{true, splits, nullptr, nullptr, nullptr},
                             r);
@@ -599,26 +619,36 @@ bool dispatch_rope_head_size(const AttentionParams& p, const RopeCacheParams& r,
   return false;
 }
 
-template <typename T, int D>
+template <typename T, typename C, int D>
 SplitParams dispatch_group(const AttentionParams& p, const at::Tensor& query, bool all_rows, int64_t max_context,
                            at::Tensor& workspace) {
   // GP query heads per program: the whole group when it has <= 8 heads (rounded up to a power
-  // of two, the extra heads masked), else chunks of 8 (each chunk re-reads the kv head).
-  if (p.group == 1) return launch<T, D, 1>(p, query, all_rows, max_context, workspace);
-  if (p.group == 2) return launch<T, D, 2>(p, query, all_rows, max_context, workspace);
-  if (p.group <= 4) return launch<T, D, 4>(p, query, all_rows, max_context, workspace);
-  return launch<T, D, 8>(p, query, all_rows, max_context, workspace);
+  // of two, the extra heads masked), else chunks of 8 (each chunk re-reads the kv head); fp8
+  // caches: at most 4 (registers: a lane holds 16 elements of each head's query and output).
+  constexpr int kMaxGP = sizeof(C) == 1 ? 4 : 8;
+  if (p.group == 1) return launch<T, C, D, 1>(p, query, all_rows, max_context, workspace);
+  if (p.group == 2) return launch<T, C, D, 2>(p, query, all_rows, max_context, workspace);
+  if (p.group <= 4 || kMaxGP == 4) return launch<T, C, D, 4>(p, query, all_rows, max_context, workspace);
+  return launch<T, C, D, kMaxGP>(p, query, all_rows, max_context, workspace);
 }
 
-template <typename T>
+template <typename T, typename C>
 SplitParams dispatch_head_size(const AttentionParams& p, const at::Tensor& query, bool all_rows, int64_t max_context,
                                at::Tensor& workspace) {
   switch (p.head_size) {
-    case 64: return dispatch_group<T, 64>(p, query, all_rows, max_context, workspace);
-    case 128: return dispatch_group<T, 128>(p, query, all_rows, max_context, workspace);
-    case 256: return dispatch_group<T, 256>(p, query, all_rows, max_context, workspace);
+    case 64: return dispatch_group<T, C, 64>(p, query, all_rows, max_context, workspace);
+    case 128: return dispatch_group<T, C, 128>(p, query, all_rows, max_context, workspace);
+    case 256: return dispatch_group<T, C, 256>(p, query, all_rows, max_context, workspace);
     default: TORCH_CHECK(false, "paged_attention: unsupported head_size");  // checked in paged_attention.cpp
   }
+}
+
+// The cache's element type: the query's, or float8_e4m3fn (p.fp8_cache).
+template <typename T>
+SplitParams dispatch_cache(const AttentionParams& p, const at::Tensor& query, bool all_rows, int64_t max_context,
+                           at::Tensor& workspace) {
+  if (p.fp8_cache) return dispatch_head_size<T, __nv_fp8_e4m3>(p, query, all_rows, max_context, workspace);
+  return dispatch_head_size<T, T>(p, query, all_rows, max_context, workspace);
 }
 
 }  // namespace
@@ -635,9 +665,9 @@ bool launch_rope_paged_attention_decode(const AttentionParams& p, const RopeCach
 SplitParams launch_paged_attention_decode(const AttentionParams& p, const at::Tensor& query, bool all_rows,
                                           int64_t max_context, at::Tensor& workspace) {
   switch (query.scalar_type()) {
-    case at::kBFloat16: return dispatch_head_size<__nv_bfloat16>(p, query, all_rows, max_context, workspace);
-    case at::kHalf: return dispatch_head_size<__half>(p, query, all_rows, max_context, workspace);
-    case at::kFloat: return dispatch_head_size<float>(p, query, all_rows, max_context, workspace);
+    case at::kBFloat16: return dispatch_cache<__nv_bfloat16>(p, query, all_rows, max_context, workspace);
+    case at::kHalf: return dispatch_cache<__half>(p, query, all_rows, max_context, workspace);
+    case at::kFloat: return dispatch_cache<float>(p, query, all_rows, max_context, workspace);
     default: TORCH_CHECK(false, "paged_attention: unsupported dtype");  // checked in paged_attention.cpp
   }
 }

@@ -2,6 +2,8 @@
 // rotates query and key (after the optional QK-norm) and writes key and value to their cache
 // slots in one pass. Positions and slots are read on the device only (no sync): positions are
 // trusted to index cos_sin_cache, slots outside the cache are skipped (as reshape_and_cache).
+// An fp8 cache gets fp8(k / k_scale) of the rotated key (rounded to the model dtype first, as the
+// reference's rotated tensor) and fp8(v / v_scale).
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -22,9 +24,13 @@ RopeCacheCall rope_cache_call(
     double eps,
     at::Tensor& key_cache,
     at::Tensor& value_cache,
-    const at::Tensor& slot_mapping) {
+    const at::Tensor& slot_mapping,
+    double k_scale,
+    double v_scale) {
   TORCH_CHECK(key_cache.is_cuda(), "key_cache must be a CUDA tensor, got ", key_cache.device());
   check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping);
+  check_kv_scale(k_scale, "k_scale");
+  check_kv_scale(v_scale, "v_scale");
   const int64_t num_tokens = key.size(0);
   const int64_t head_size = key.size(2);
   TORCH_CHECK(head_size == 64 || head_size == 128 || head_size == 256,
@@ -87,6 +93,9 @@ RopeCacheCall rope_cache_call(
   p.head_size = static_cast<int>(head_size);
   p.eps = static_cast<float>(eps);
   p.cos_sin_fp32 = cos_sin_fp32;
+  p.fp8_cache = key_cache.scalar_type() == at::kFloat8_e4m3fn;
+  p.k_scale = static_cast<float>(k_scale);
+  p.v_scale = static_cast<float>(v_scale);
   return call;
 }
 
@@ -101,9 +110,11 @@ at::Tensor rope_and_cache(
     double eps,
     at::Tensor& key_cache,
     at::Tensor& value_cache,
-    const at::Tensor& slot_mapping) {
+    const at::Tensor& slot_mapping,
+    double k_scale,
+    double v_scale) {
   RopeCacheCall call = rope_cache_call(positions, query, key, value, cos_sin_cache, q_norm_weight, k_norm_weight,
-                                       eps, key_cache, value_cache, slot_mapping);
+                                       eps, key_cache, value_cache, slot_mapping, k_scale, v_scale);
   const c10::cuda::CUDAGuard device_guard(key.device());
   return run_rope_and_cache(call, query);
 }

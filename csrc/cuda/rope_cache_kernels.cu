@@ -9,6 +9,7 @@
 //                      each product too: at most one step of T apart)
 //                      -> q_out, or the key cache row of the token's slot
 //   value head:        copied to the value cache row of the slot
+//   fp8 caches (p.fp8_cache): cache rows get fp8(x / scale) of those values (quantize_kv_fp8)
 //
 // Lane l holds elements l + 32 e (e < D / 32) of its head, so a rotation pair (j, j + D/2) sits
 // in one lane (D / 2 is a multiple of 32). Slots outside [0, num_slots) (-1: padding) write no
@@ -58,7 +59,14 @@ __global__ void rope_and_cache_kernel(const RopeCacheParams p) {
     if (!cached) return;
     const int head = unit - qk_units;
     const T* src = static_cast<const T*>(p.value) + token * p.v_stride + head * D;
-    T* dst = static_cast<T*>(p.value_cache) + (slot * p.num_kv_heads + head) * D;
+    const int64_t row = (slot * p.num_kv_heads + head) * D;
+    if (p.fp8_cache) {
+      uint8_t* dst = static_cast<uint8_t*>(p.value_cache) + row;
+#pragma unroll
+      for (int e = 0; e < E; ++e) dst[lane + 32 * e] = quantize_kv_fp8(to_float(src[lane + 32 * e]), p.v_scale);
+      return;
+    }
+    T* dst = static_cast<T*>(p.value_cache) + row;
 #pragma unroll
     for (int e = 0; e < E; ++e) dst[lane + 32 * e] = src[lane + 32 * e];
     return;
@@ -84,6 +92,17 @@ __global__ void rope_and_cache_kernel(const RopeCacheParams p) {
     for (int e = 0; e < E; ++e) x[e] = round_to<T>(to_float(w[lane + 32 * e]) * round_to<T>(x[e] * inv_rms));
   }
 
+  if (!is_query && p.fp8_cache) {  // the rotated key, rounded to T, then quantized
+    uint8_t* dst = static_cast<uint8_t*>(p.key_cache) + (slot * p.num_kv_heads + head) * D;
+#pragma unroll
+    for (int e = 0; e < E / 2; ++e) {
+      const int j = lane + 32 * e;  // < D / 2
+      const float x1 = x[e], x2 = x[e + E / 2];
+      dst[j] = quantize_kv_fp8(round_to<T>(rope_rotate(x1, x2, cos_j[e], sin_j[e], /*upper=*/false)), p.k_scale);
+      dst[j + D / 2] = quantize_kv_fp8(round_to<T>(rope_rotate(x2, x1, cos_j[e], sin_j[e], /*upper=*/true)), p.k_scale);
+    }
+    return;
+  }
   T* dst = is_query ? static_cast<T*>(p.q_out) + (static_cast<int64_t>(token) * p.num_heads + head) * D
                     : static_cast<T*>(p.key_cache) + (slot * p.num_kv_heads + head) * D;
 #pragma unroll

@@ -618,6 +618,8 @@ std::tuple<at::Tensor, at::Tensor> mm_rope(const at::Tensor& x, const at::Tensor
                                            const at::Tensor& slot_mapping, int64_t num_heads, const char* op) {
   TORCH_CHECK(key_cache.dim() == 4, op, ": key_cache must be [num_blocks, block_size, num_kv_heads, head_size], got ",
               key_cache.sizes());
+  TORCH_CHECK(key_cache.scalar_type() != at::kFloat8_e4m3fn, op, ": fp8 KV caches are written by rope_and_cache "
+              "(with the layer's scales); the QKV graph ops route them there (compilelm/ops/qkv_rope.py)");
   const int64_t head_size = key_cache.size(3), kv_width = key_cache.size(2) * head_size;
   TORCH_CHECK(num_heads > 0 && weight.dim() == 2 && weight.size(0) == num_heads * head_size + 2 * kv_width, op,
               ": weight must be [(num_heads + 2 * num_kv_heads) * head_size, K] = [", num_heads * head_size + 2 * kv_width,

@@ -43,7 +43,8 @@ class CUDAGraphRunner:
         return next_size(tuple(self.sizes), num_tokens)
 
     @torch.inference_mode()
-    def capture(self, forward_fn, buffers: InputBuffers, kv_caches: dict, warm_sizes: Iterable[int] = ()) -> None:
+    def capture(self, forward_fn, buffers: InputBuffers, kv_caches: dict, warm_sizes: Iterable[int] = (),
+                kv_scales: dict | None = None) -> None:
         """Captures `forward_fn(input_ids, positions)` (the model runner's: hidden states, then
         logits) at every size, largest first. An uncaptured
         warm-up run (lazy initialisation, Triton autotuning) comes before the first size and the
@@ -69,7 +70,7 @@ class CUDAGraphRunner:
                               block_tables=np.zeros((size, 1), np.int32), logits_idx=np.zeros(0, np.int64),
                               max_query_len=1)
             input_ids, positions, meta, _, _ = buffers.load(dummy, size, size, buffers.max_blocks)
-            with set_forward_context(ForwardContext(meta, kv_caches)):
+            with set_forward_context(ForwardContext(meta, kv_caches, kv_scales or {})):
                 if i == 0 or size in warm:
                     forward_fn(input_ids, positions)
                     torch.cuda.synchronize()

@@ -171,7 +171,8 @@ class PiecewiseGraphs:
 
     @torch.inference_mode()
     def capture(self, forward_fn, buffers: InputBuffers, kv_caches: dict, static_tensors,
-                warm_sizes: Iterable[int] = ()) -> None:
+                warm_sizes: Iterable[int] = (),
+                kv_scales: dict | None = None) -> None:
         """Captures every piece at every size, largest first, by running `forward_fn(input_ids,
         positions)` once per size. An uncaptured warm-up run comes first (lazy initialisation,
         loading and autotuning Triton kernels), then again only before the sizes in `warm_sizes`
@@ -190,7 +191,7 @@ class PiecewiseGraphs:
         warm = set(warm_sizes)
         for i, size in enumerate(bar):
             input_ids, positions, meta, _, _ = buffers.load(dummy, size, 1, 1)
-            with set_forward_context(ForwardContext(meta, kv_caches)):
+            with set_forward_context(ForwardContext(meta, kv_caches, kv_scales or {})):
                 if i == 0 or size in warm:
                     forward_fn(input_ids, positions)
                     torch.cuda.synchronize()

@@ -18,8 +18,13 @@ vector at the same cost. Static input scales of packed shards (one input, calibr
 become their max, as in vLLM. Block scales of packed shards stack along the rows: every shard's
 rows must be a multiple of bn (as vLLM requires).
 
-KV-cache scales (k_scale / v_scale, an FP8 KV cache's) are skipped with a warning: the KV cache
-stays in the model dtype. Zero points of symmetric schemes (all zero) are dropped.
+KV-cache scales (an FP8 KV cache's, `split_kv_scales`): `*.self_attn.k_scale` / `.v_scale` (FP8 /
+modelopt / newer compressed-tensors checkpoints), `*.self_attn.kv_scale` (one for both, older FP8
+checkpoints), `*.self_attn.k_proj.output_scale` / `v_proj.output_scale` (compressed-tensors
+`kv_cache_scheme`) go to the layer's Attention (k_scale, v_scale; `apply_kv_scales`), used where the
+KV cache is fp8 (--kv-cache-dtype fp8). Query and probability scales (q_scale, prob_scale,
+q_proj.output_scale) are dropped: queries stay in the model dtype. Zero points of symmetric schemes
+(all zero) are dropped.
 """
 
 from __future__ import annotations
@@ -64,18 +69,69 @@ def prepare_fp8_checkpoint(model: nn.Module, scheme: Fp8Scheme) -> list[str]:
     return quantized
 
 
-def fp8_checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor]], scheme: Fp8Scheme
+def _kv_scale_target(name: str) -> tuple[str, str] | None:
+    """(attention module prefix `...self_attn`, "k" | "v" | "kv" | "") of a KV-cache scale tensor's
+    name ("": a query / probability scale, dropped), None if `name` is no such scale."""
+    for suffix, which in ((".k_proj.output_scale", "k"), (".v_proj.output_scale", "v"),
+                          (".q_proj.output_scale", "")):
+        if name.endswith(suffix):
+            return name[: -len(suffix)], which
+    if name.endswith(".output_scale"):
+        return None
+    for suffix in KV_SCALE_SUFFIXES:
+        if name.endswith(suffix):
+            prefix = name[: -len(suffix)]
+            for tail in (".attn", ".k_proj", ".v_proj", ".q_proj"):  # self_attn.attn.k_scale, self_attn.k_proj.k_scale
+                prefix = prefix.removesuffix(tail)
+            return prefix, {".k_scale": "k", ".v_scale": "v", ".kv_scale": "kv"}.get(suffix, "")
+    return None
+
+
+def split_kv_scales(weights: Iterable[tuple[str, torch.Tensor]], sink: dict[str, dict[str, float]]
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors without its KV-cache scales, which go to `sink` as
+    {"<...>.self_attn": {"k": k_scale, "v": v_scale}} (for `apply_kv_scales`). A per-head scale
+    vector becomes its maximum (per-tensor scales only: a larger scale never saturates)."""
+    for name, tensor in weights:
+        target = _kv_scale_target(name)
+        if target is None:
+            yield name, tensor
+            continue
+        prefix, which = target
+        if not which:
+            logger.debug("%s: query / probability scales are not used (queries stay in the model dtype)", name)
+            continue
+        values = tensor.float().reshape(-1)
+        if values.numel() > 1:
+            logger.warning("%s: %d per-head KV-cache scales; compilelm takes per-tensor scales, their max %g",
+                           name, values.numel(), float(values.max()))
+        value = float(values.max())
+        if not (value > 0 and value != float("inf")):
+            raise ValueError(f"{name}: a KV-cache scale must be finite and > 0, got {value}")
+        for w in which:
+            sink.setdefault(prefix, {})[w] = value
+
+
+def apply_kv_scales(model: nn.Module, scales: dict[str, dict[str, float]]) -> None:
+    """Gives each `<prefix>.attn` Attention layer its k_scale / v_scale from `split_kv_scales`'s sink."""
+    for prefix, kv in scales.items():
+        try:
+            attn = model.get_submodule(f"{prefix}.attn")
+        except AttributeError:
+            raise ValueError(f"checkpoint KV-cache scales for {prefix!r}: the model has no attention layer "
+                             f"{prefix}.attn") from None
+        attn.k_scale = kv.get("k", attn.k_scale)
+        attn.v_scale = kv.get("v", attn.v_scale)
+        attn.kv_scales_loaded = True
+
+
+def fp8_checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor]], scheme: Fp8Scheme,
+                           kv_scales: dict[str, dict[str, float]] | None = None
                            ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors under our parameter names: weight_scale_inv -> weight_scale,
-    KV-cache scales skipped (warned once), all-zero zero points dropped."""
-    warned = False
-    for name, tensor in weights:
-        if name.endswith(KV_SCALE_SUFFIXES) or name.endswith(".output_scale"):
-            if not warned:
-                logger.warning("the checkpoint has FP8 KV-cache scales (%s, ...); compilelm keeps the KV "
-                               "cache in the model dtype and ignores them", name)
-                warned = True
-            continue
+    KV-cache scales into `kv_scales` (`split_kv_scales`; dropped if None), all-zero zero points
+    dropped."""
+    for name, tensor in split_kv_scales(weights, {} if kv_scales is None else kv_scales):
         if name.endswith("_zero_point"):
             if tensor.count_nonzero():
                 raise ValueError(f"{name}: non-zero zero points (asymmetric quantization) are not supported")
