@@ -106,11 +106,17 @@ TORCH_LIBRARY(compilelm, m) {
   m.def(
       "fp8_linear(Tensor x, Tensor x_scale, Tensor weight, Tensor weight_scale, Tensor? bias, "
       "ScalarType out_dtype) -> Tensor");
-  // The same product for M <= 16 on CUDA (sm_89+) by streaming the weight once
-  // (csrc/cuda/fp8_stream_mm.cu: K a multiple of 16, rows 16-byte aligned, contiguous scales,
-  // bias in out_dtype).
+  // quant_fp8_per_token(x) then fp8_linear: x bf16 / fp16 / fp32 [M, K]. On CUDA one kernel where
+  // fp8_stream_mm's quant prologue takes x, else the two ops (compilelm/ops/fp8_gemm.py).
   m.def(
-      "fp8_stream_mm(Tensor x, Tensor x_scale, Tensor weight, Tensor weight_scale, Tensor? bias, "
+      "fp8_quant_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, ScalarType out_dtype) "
+      "-> Tensor");
+  // fp8_linear's product for M <= 16 on CUDA (sm_89+) by streaming the weight once
+  // (csrc/cuda/fp8_stream_mm.cu: K a multiple of 16, rows 16-byte aligned, contiguous scales,
+  // bias in out_dtype). x_scale None: x is bf16 / fp16 / fp32 (M <= 8, M x K <= 48K), quantized
+  // per token in the kernel (fp8_quant_linear).
+  m.def(
+      "fp8_stream_mm(Tensor x, Tensor? x_scale, Tensor weight, Tensor weight_scale, Tensor? bias, "
       "ScalarType out_dtype) -> Tensor");
   // x: [num_tokens, hidden] -> (q: fp8 [num_tokens, hidden], scale: fp32 [num_tokens, 1])
   m.def("quant_fp8_per_token(Tensor x) -> (Tensor, Tensor)");

@@ -5,6 +5,7 @@ the reference (ragged M, N and K, bias, per-tensor scales). As in test_fp8_block
 interpreted tests run in a child pytest started with TRITON_INTERPRET=1 (Triton decides at import).
 The CUDA kernels are tested against the same reference in tests/gpu/test_fp8_gemm_gpu.py."""
 
+import json
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import compilelm.ops  # noqa: F401  (registers the ops)
-from compilelm.ops.fp8_gemm import fp8_linear_ref
+from compilelm.ops.fp8_gemm import fp8_linear_ref, fp8_quant_linear_ref
 from compilelm.ops.quant import quant_fp8_per_token_ref
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -57,6 +58,21 @@ if not INTERPRETED:
             assert bf16.dtype == torch.bfloat16 and bf16.shape == (m, n)
             torch.testing.assert_close(bf16.float(), fp8_linear_ref(q, xs, w, ws, b, torch.float32).bfloat16().float(),
                                        rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+    def test_quant_linear_is_quant_then_linear():
+        g = torch.Generator().manual_seed(3)
+        x = (torch.randn(5, 64, generator=g) * 3).bfloat16()
+        _, _, w, ws, b = problem(5, 40, 64, bias=True)
+        q, xs = quant_fp8_per_token_ref(x)
+        want = fp8_linear_ref(q, xs, w, ws, b, torch.bfloat16)
+        assert torch.equal(fp8_quant_linear_ref(x, w, ws, b, torch.bfloat16), want)
+        assert torch.equal(torch.ops.compilelm.fp8_quant_linear(x, w, ws, b, torch.bfloat16), want)
+        assert torch.equal(torch.ops.compilelm.fp8_stream_mm(x, None, w, ws, b, torch.bfloat16), want)
+        utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+        torch.library.opcheck(torch.ops.compilelm.fp8_quant_linear.default, (x, w, ws, b, torch.float32),
+                              test_utils=utils)
+        torch.library.opcheck(torch.ops.compilelm.fp8_stream_mm.default, (x, None, w, ws, None, torch.bfloat16),
+                              test_utils=utils)
 
     @pytest.mark.parametrize("op", ["fp8_linear", "fp8_stream_mm"])
     def test_opcheck(op):
@@ -124,8 +140,8 @@ if not INTERPRETED:
         assert torch.equal(got, fp8_linear_ref(q, xs, layer.weight, layer.weight_scale, layer.bias, torch.float32))
 
     def test_compiled_graph_feeds_fused_quant_to_fp8_linear(tmp_path):
-        """-O2 on CPU: the quant fusions still match, every FP8 linear is one fp8_linear node, and
-        --verify's numerical check of every pass holds."""
+        """-O2 on CPU: the quant fusions still match, every FP8 linear is one fp8_linear node fed by
+        a fused producer, or (o_proj) an fp8_quant_linear; --verify's check of every pass holds."""
         from compilelm import LLM, SamplingParams
 
         llm = LLM("dummy:smollm2-135m", quantization="fp8", model_overrides={"num_hidden_layers": 2},
@@ -135,6 +151,9 @@ if not INTERPRETED:
         code = "".join(p.read_text() for p in (tmp_path / "inductor").glob("*.py"))
         assert "compilelm.fp8_linear.default" in code and "_scaled_mm" not in code
         assert "fused_add_rms_norm_quant_fp8" in code and "silu_mul_quant_fp8" in code
+        assert "compilelm.fp8_quant_linear.default" in code and "quant_fp8_per_token.default" not in code
+        report = json.loads((tmp_path / "report.json").read_text())
+        assert report["verify"]["requested"] and report["verify"]["max_error"] == 0.0, report["verify"]
 
     def test_kernel_under_the_triton_interpreter():
         pytest.importorskip("triton", minversion="3.7")

@@ -20,6 +20,12 @@ kernel of that size:
   - else (prefill), and for layouts the kernels do not take: `torch._scaled_mm` (cuBLASLt, rowwise
     scales); K not a multiple of 16 (which cuBLASLt refuses too): the reference.
 `set_fp8_routes` moves the two thresholds (benchmarks, A/B). On CPU the op is the reference.
+
+`compilelm::fp8_quant_linear(x, weight, weight_scale, bias, out_dtype)` is quant_fp8_per_token(x)
+then fp8_linear, for the linears whose input has no producer to fuse the quant into (o_proj, after
+attention; passes/fusion/fuse_quant_linear.py puts it in): on CUDA one fp8_stream_mm launch that
+quantizes x in its prologue where it takes the rows (M <= 8, M x K <= 48K elements), else the two
+ops. On CPU the two ops (bit-identical to the unfused graph).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from compilelm.ops.quant import FP8_DTYPE
+from compilelm.ops.quant import FP8_DTYPE, quant_fp8_per_token_ref
 
 try:
     import triton
@@ -37,6 +43,7 @@ except ImportError:  # CPU builds of torch ship without Triton
     triton = None
 
 STREAM_MAX_ROWS = 16  # fp8_stream_mm's limit (kMaxRows in csrc/cuda/fp8_stream_mm.cu)
+QUANT_MAX_ROWS, QUANT_MAX_ELEMENTS = 8, 48 * 1024  # its quant prologue's (kMaxQuantRows, kMaxQuantBytes)
 TRITON_MAX_ROWS = 64  # the Triton kernel's BM is at most 64
 _routes = {"stream": STREAM_MAX_ROWS, "triton": TRITON_MAX_ROWS}
 
@@ -86,13 +93,41 @@ def _check(x, x_scale, weight, weight_scale, bias, out_dtype, op):
                  lambda: f"{op}: bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
 
 
+def fp8_quant_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None,
+                     out_dtype: torch.dtype) -> Tensor:
+    # x: [M, K] bf16 / fp16 / fp32; weight: fp8 [N, K] -> [M, N] out_dtype
+    return torch.ops.compilelm.fp8_quant_linear.default(x, weight, weight_scale, bias, out_dtype)
+
+
+def fp8_quant_linear_ref(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None,
+                         out_dtype: torch.dtype) -> Tensor:
+    q, x_scale = quant_fp8_per_token_ref(x)
+    return fp8_linear_ref(q, x_scale, weight, weight_scale, bias, out_dtype)
+
+
 def _fake(x, x_scale, weight, weight_scale, bias, out_dtype):
     _check(x, x_scale, weight, weight_scale, bias, out_dtype, "fp8_linear")
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype)
 
 
+def _stream_fake(x, x_scale, weight, weight_scale, bias, out_dtype):
+    if x_scale is None:
+        return _quant_linear_fake(x, weight, weight_scale, bias, out_dtype)
+    return _fake(x, x_scale, weight, weight_scale, bias, out_dtype)
+
+
+def _quant_linear_fake(x, weight, weight_scale, bias, out_dtype):
+    torch._check(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1] and weight.dtype == FP8_DTYPE
+                 and x.dtype in (torch.bfloat16, torch.float16, torch.float32),
+                 lambda: f"fp8_quant_linear: x must be bf16 / fp16 / fp32 [M, K] and weight fp8 [N, K], got "
+                         f"{tuple(x.shape)} {x.dtype} and {tuple(weight.shape)} {weight.dtype}")
+    return _fake(x.new_empty(x.shape, dtype=FP8_DTYPE), x.new_empty((x.shape[0], 1), dtype=torch.float32), weight,
+                 weight_scale, bias, out_dtype)
+
+
 torch.library.register_fake("compilelm::fp8_linear", _fake)
-torch.library.register_fake("compilelm::fp8_stream_mm", _fake)
+torch.library.register_fake("compilelm::fp8_stream_mm", _stream_fake)
+torch.library.register_fake("compilelm::fp8_quant_linear", _quant_linear_fake)
 
 
 @torch.library.register_kernel("compilelm::fp8_linear", "cpu")
@@ -102,13 +137,21 @@ def _(x, x_scale, weight, weight_scale, bias, out_dtype):
 
 @torch.library.register_kernel("compilelm::fp8_stream_mm", "cpu")
 def _(x, x_scale, weight, weight_scale, bias, out_dtype):
+    if x_scale is None:
+        return fp8_quant_linear_ref(x, weight, weight_scale, bias, out_dtype)
     return fp8_linear_ref(x, x_scale, weight, weight_scale, bias, out_dtype)
+
+
+@torch.library.register_kernel("compilelm::fp8_quant_linear", "cpu")
+def _(x, weight, weight_scale, bias, out_dtype):  # the unfused ops, bit for bit
+    q, x_scale = torch.ops.compilelm.quant_fp8_per_token.default(x)
+    return torch.ops.compilelm.fp8_linear.default(q, x_scale, weight, weight_scale, bias, out_dtype)
 
 
 # -- CUDA: the route --------------------------------------------------------------------------
 
 def _rows_16_byte(t: Tensor) -> bool:
-    return t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
+    return t.stride(1) == 1 and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 def _kernels_take(x: Tensor, weight: Tensor, x_scale: Tensor, weight_scale: Tensor) -> bool:
@@ -167,6 +210,19 @@ def _(x, x_scale, weight, weight_scale, bias, out_dtype):
     if x.shape[1] % 16 or x.shape[0] == 0:  # cuBLASLt takes no such K (nor zero rows): dequantize
         return fp8_linear_ref(x, x_scale, weight, weight_scale, bias, out_dtype)
     return scaled_mm(x, x_scale, weight, weight_scale, bias, out_dtype)
+
+
+@torch.library.register_kernel("compilelm::fp8_quant_linear", "cuda")
+def _(x, weight, weight_scale, bias, out_dtype):
+    m, k = x.shape
+    if (1 <= m <= min(QUANT_MAX_ROWS, _routes["stream"]) and m * k <= QUANT_MAX_ELEMENTS
+            and _has_stream_kernel(x.device) and k % 16 == 0 and _rows_16_byte(x) and _rows_16_byte(weight)
+            and weight_scale.is_contiguous() and weight_scale.dtype == torch.float32
+            and out_dtype in (torch.bfloat16, torch.float16, torch.float32)):
+        b = None if bias is None else bias.to(out_dtype).contiguous()
+        return torch.ops.compilelm.fp8_stream_mm.default(x, None, weight, weight_scale, b, out_dtype)
+    q, x_scale = torch.ops.compilelm.quant_fp8_per_token.default(x)
+    return torch.ops.compilelm.fp8_linear.default(q, x_scale, weight, weight_scale, bias, out_dtype)
 
 
 # -- CUDA: the Triton kernel for up to 64 rows ------------------------------------------------

@@ -126,7 +126,7 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_qkv_rope_cache(
     at::Tensor& value_cache, const at::Tensor& slot_mapping, int64_t num_heads);
 
 // fp8_stream_mm.cu
-at::Tensor fp8_stream_mm(const at::Tensor& x, const at::Tensor& x_scale, const at::Tensor& weight,
+at::Tensor fp8_stream_mm(const at::Tensor& x, const std::optional<at::Tensor>& x_scale, const at::Tensor& weight,
                          const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
                          at::ScalarType out_dtype);
 

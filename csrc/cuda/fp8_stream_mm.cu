@@ -3,6 +3,8 @@
 //
 //   x:            fp8 [M <= 16, K]   activations, quantized per token (or per tensor) by the producer
 //   x_scale:      fp32, M values ([M, 1]) or one (static per-tensor)
+//                 or None: x is bf16 / fp16 / fp32 [M <= 8, K] (M x K <= 48 KB) and the kernel
+//                 quantizes it per token in its prologue, as quant_fp8_per_token would (the same bits)
 //   weight:       fp8 [N, K]         rows contiguous, K a multiple of 16, 16-byte aligned rows
 //   weight_scale: fp32, N values ([1, N] / [N]: per channel) or one (per tensor)
 //   bias:         [N] in out's dtype, optional
@@ -25,28 +27,40 @@
 // weight is no kernel's output); x and the scales are read after it. Each warp keeps its next
 // step's weight loads in flight while it multiplies the current one. The warps' partial tiles
 // are summed through shared memory and the epilogue applies the scales (and bias) once per output.
+//
+// With the quant prologue (kQuant: o_proj, whose input comes from attention and has no producer
+// to fuse the quant into) each block first takes the amax of x's rows and writes them quantized
+// to shared memory (fused_common.cuh's dynamic_scale / quant_fp8: quant_fp8_per_token's bits),
+// with its first weight loads already in flight; the steps then read x from shared memory. Every
+// block redoes the rows (M x K elements, from L2): one kernel instead of the quant kernel and the
+// GEMM, and no fp8 copy of x in global memory.
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <ATen/cuda/CUDAContext.h>
 
 #include <cstdint>
+#include <type_traits>
 
+#include "cuda/attention_common.cuh"
 #include "cuda/convert.cuh"
 #include "cuda/cuda_ops.h"
+#include "cuda/fused_common.cuh"
 #include "cuda/launch.cuh"
 
 namespace compilelm::cuda {
 namespace {
 
 constexpr int kMaxRows = 16;  // two n8 tiles of x rows
+constexpr int kMaxQuantRows = 8;  // the quant prologue: one tile
+constexpr int64_t kMaxQuantBytes = 48 * 1024;  // its quantized rows in shared memory (the default limit)
 constexpr int kTileRows = 16;  // weight rows per block: the mma's M
 constexpr int kWarps = 4;     // warps per block, splitting K
 constexpr int kLoads = 4;     // 16-byte chunks per lane and weight row, per step
 constexpr int kStep = 4 * kLoads;  // chunks of a row one warp covers per step (4 lanes share a row)
 
 struct Fp8StreamParams {
-  const uint8_t* x;
+  const uint8_t* x;  // fp8 rows, or (kQuant) the rows to quantize, of type XIn
   int64_t x_stride;
   const float* x_scale;
   int64_t x_scale_stride;  // 0: one scale for every row
@@ -82,9 +96,14 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1
 #endif
 }
 
-template <typename T, int kTiles>
+// XIn: uint8_t for fp8 x (scales given), else x's type (kQuant: quantized per token in the prologue)
+template <typename T, int kTiles, typename XIn>
 __global__ void __launch_bounds__(kWarps * 32) fp8_stream_mm_kernel(const Fp8StreamParams p) {
+  constexpr bool kQuant = !std::is_same_v<XIn, uint8_t>;
+  static_assert(!kQuant || kTiles * 8 <= kMaxQuantRows, "the quant prologue takes one tile of rows");
   __shared__ float s_acc[kWarps][kTiles][4][32];  // each warp's accumulator fragments
+  __shared__ float s_scale[kQuant ? kMaxQuantRows : 1];  // kQuant: each row's scale
+  extern __shared__ uint4 s_xq[];  // kQuant: the quantized rows, [M][K / 16] chunks
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int n0 = blockIdx.x * kTileRows;
@@ -107,6 +126,35 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_stream_mm_kernel(const Fp8Str
   wait_for_prior_kernels();  // PDL: x and the scales may be the previous kernel's output
   allow_dependent_kernels();
 
+  if constexpr (kQuant) {  // x rows -> fp8 in shared memory, scale = max(amax / 448, 1 / (448 * 512))
+    constexpr int kVec = 16 / sizeof(XIn);  // elements of one 16-byte load
+    for (int m = 0; m < p.m; ++m) {
+      const XIn* row = reinterpret_cast<const XIn*>(p.x) + m * p.x_stride;
+      float amax = 0.f;
+      for (int c = threadIdx.x; c < p.k / kVec; c += blockDim.x) {
+        float f[kVec];
+        widen<XIn>(__ldg(reinterpret_cast<const uint4*>(row + c * kVec)), f);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) amax = fmaxf(amax, fabsf(f[e]));
+      }
+      const float scale = dynamic_scale(block_reduce<true>(amax));
+      if (threadIdx.x == 0) s_scale[m] = scale;
+      for (int c = threadIdx.x; c < chunks; c += blockDim.x) {  // 16 elements -> one 16-byte chunk
+        uint4 packed;
+        uint8_t* q = reinterpret_cast<uint8_t*>(&packed);
+#pragma unroll
+        for (int h = 0; h < 16 / kVec; ++h) {
+          float f[kVec];
+          widen<XIn>(__ldg(reinterpret_cast<const uint4*>(row + c * 16 + h * kVec)), f);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) q[h * kVec + e] = quant_fp8(f[e], scale);
+        }
+        s_xq[m * chunks + c] = packed;
+      }
+    }
+    __syncthreads();
+  }
+
   float acc[kTiles][4] = {};
   for (int step = warp; step < steps; step += kWarps) {
     uint4 xv[kTiles][kLoads];
@@ -116,9 +164,13 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_stream_mm_kernel(const Fp8Str
 #pragma unroll
       for (int i = 0; i < kLoads; ++i) {
         const int c = step * kStep + i * 4 + t;
-        xv[tile][i] = row < p.m && c < chunks
-                          ? __ldg(reinterpret_cast<const uint4*>(p.x + row * p.x_stride + c * 16))
-                          : make_uint4(0, 0, 0, 0);
+        if (row >= p.m || c >= chunks) {
+          xv[tile][i] = make_uint4(0, 0, 0, 0);
+        } else if constexpr (kQuant) {
+          xv[tile][i] = s_xq[row * chunks + c];
+        } else {
+          xv[tile][i] = __ldg(reinterpret_cast<const uint4*>(p.x + row * p.x_stride + c * 16));
+        }
       }
     }
     uint4 cl[kLoads], ch[kLoads];
@@ -161,20 +213,34 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_stream_mm_kernel(const Fp8Str
     float sum = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) sum += s_acc[w][tile][j][l];
-    float v = sum * p.x_scale[m * p.x_scale_stride] * p.w_scale[n * p.w_scale_stride];
+    const float x_scale = kQuant ? s_scale[m] : p.x_scale[m * p.x_scale_stride];
+    float v = sum * x_scale * p.w_scale[n * p.w_scale_stride];
     if (p.bias != nullptr) v += to_float(static_cast<const T*>(p.bias)[n]);
     static_cast<T*>(p.y)[m * p.y_stride + n] = from_float<T>(v);
   }
 }
 
-template <typename T>
+template <typename T, typename XIn>
 void launch_fp8_stream_mm(const Fp8StreamParams& p) {
   const dim3 grid((p.n + kTileRows - 1) / kTileRows);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (p.m <= 8) {
-    launch_kernel(fp8_stream_mm_kernel<T, 1>, grid, dim3(kWarps * 32), 0, stream, p);
+  if constexpr (!std::is_same_v<XIn, uint8_t>) {
+    const size_t shared = static_cast<size_t>(p.m) * p.k;  // the quantized rows
+    launch_kernel(fp8_stream_mm_kernel<T, 1, XIn>, grid, dim3(kWarps * 32), shared, stream, p);
+  } else if (p.m <= 8) {
+    launch_kernel(fp8_stream_mm_kernel<T, 1, XIn>, grid, dim3(kWarps * 32), 0, stream, p);
   } else {
-    launch_kernel(fp8_stream_mm_kernel<T, 2>, grid, dim3(kWarps * 32), 0, stream, p);
+    launch_kernel(fp8_stream_mm_kernel<T, 2, XIn>, grid, dim3(kWarps * 32), 0, stream, p);
+  }
+}
+
+template <typename T>
+void dispatch_x(const Fp8StreamParams& p, at::ScalarType x_dtype) {
+  switch (x_dtype) {
+    case at::kFloat8_e4m3fn: launch_fp8_stream_mm<T, uint8_t>(p); break;
+    case at::kBFloat16: launch_fp8_stream_mm<T, __nv_bfloat16>(p); break;
+    case at::kHalf: launch_fp8_stream_mm<T, __half>(p); break;
+    default: launch_fp8_stream_mm<T, float>(p); break;
   }
 }
 
@@ -182,30 +248,37 @@ bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_
 
 }  // namespace
 
-at::Tensor fp8_stream_mm(const at::Tensor& x, const at::Tensor& x_scale, const at::Tensor& weight,
+at::Tensor fp8_stream_mm(const at::Tensor& x, const std::optional<at::Tensor>& x_scale, const at::Tensor& weight,
                          const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
                          at::ScalarType out_dtype) {
-  TORCH_CHECK(x.is_cuda() && weight.device() == x.device() && x_scale.device() == x.device() &&
-                  weight_scale.device() == x.device(),
-              "fp8_stream_mm: x, x_scale, weight and weight_scale must be on one CUDA device, got ", x.device(), ", ",
-              x_scale.device(), ", ", weight.device(), ", ", weight_scale.device());
-  TORCH_CHECK(x.scalar_type() == at::kFloat8_e4m3fn && weight.scalar_type() == at::kFloat8_e4m3fn,
-              "fp8_stream_mm: x and weight must be float8_e4m3fn, got ", x.scalar_type(), " and ",
-              weight.scalar_type());
+  const bool quant = !x_scale.has_value();
+  TORCH_CHECK(x.is_cuda() && weight.device() == x.device() && weight_scale.device() == x.device() &&
+                  (quant || x_scale->device() == x.device()),
+              "fp8_stream_mm: x, x_scale, weight and weight_scale must be on one CUDA device, got x on ", x.device(),
+              ", weight on ", weight.device(), ", weight_scale on ", weight_scale.device());
+  const auto x_dtype = x.scalar_type();
+  TORCH_CHECK(weight.scalar_type() == at::kFloat8_e4m3fn &&
+                  (quant ? x_dtype == at::kBFloat16 || x_dtype == at::kHalf || x_dtype == at::kFloat
+                         : x_dtype == at::kFloat8_e4m3fn),
+              "fp8_stream_mm: weight must be float8_e4m3fn and x float8_e4m3fn (with x_scale) or bfloat16 / "
+              "float16 / float32 (without: quantized per token here), got ", x_dtype, " and ", weight.scalar_type());
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "fp8_stream_mm: x must be [M, K] and weight [N, K], got ", x.sizes(), " and ", weight.sizes());
   const int64_t m = x.size(0), n = weight.size(0), k = x.size(1);
+  const int64_t elem = x.element_size();
   TORCH_CHECK(m <= kMaxRows, "fp8_stream_mm: at most ", kMaxRows, " rows, got ", m);
-  TORCH_CHECK(k > 0 && k % 16 == 0 && x.stride(1) == 1 && weight.stride(1) == 1 && x.stride(0) % 16 == 0 &&
+  TORCH_CHECK(!quant || (m <= kMaxQuantRows && m * k <= kMaxQuantBytes),
+              "fp8_stream_mm: quantizing x in the kernel takes at most ", kMaxQuantRows, " rows and ",
+              kMaxQuantBytes, " elements, got ", x.sizes());
+  TORCH_CHECK(k > 0 && k % 16 == 0 && x.stride(1) == 1 && weight.stride(1) == 1 && (x.stride(0) * elem) % 16 == 0 &&
                   weight.stride(0) % 16 == 0 && aligned16(x) && aligned16(weight),
               "fp8_stream_mm: x and weight need contiguous, 16-byte aligned rows and K a positive multiple of 16, got "
               "K = ", k, ", strides ", x.strides(), " and ", weight.strides());
-  TORCH_CHECK(x_scale.scalar_type() == at::kFloat && weight_scale.scalar_type() == at::kFloat &&
-                  x_scale.is_contiguous() && weight_scale.is_contiguous(),
-              "fp8_stream_mm: the scales must be contiguous float32, got ", x_scale.scalar_type(), " and ",
-              weight_scale.scalar_type());
-  TORCH_CHECK(x_scale.numel() == m || x_scale.numel() == 1,
-              "fp8_stream_mm: x_scale must hold one scale per row (", m, ") or one, got ", x_scale.sizes());
+  TORCH_CHECK(weight_scale.scalar_type() == at::kFloat && weight_scale.is_contiguous() &&
+                  (quant || (x_scale->scalar_type() == at::kFloat && x_scale->is_contiguous())),
+              "fp8_stream_mm: the scales must be contiguous float32");
+  TORCH_CHECK(quant || x_scale->numel() == m || x_scale->numel() == 1,
+              "fp8_stream_mm: x_scale must hold one scale per row (", m, ") or one, got ", x_scale->sizes());
   TORCH_CHECK(weight_scale.numel() == n || weight_scale.numel() == 1,
               "fp8_stream_mm: weight_scale must hold one scale per output channel (", n, ") or one, got ",
               weight_scale.sizes());
@@ -226,8 +299,8 @@ at::Tensor fp8_stream_mm(const at::Tensor& x, const at::Tensor& x_scale, const a
   Fp8StreamParams p{};
   p.x = static_cast<const uint8_t*>(x.data_ptr());
   p.x_stride = x.stride(0);
-  p.x_scale = x_scale.data_ptr<float>();
-  p.x_scale_stride = x_scale.numel() == 1 ? 0 : 1;
+  p.x_scale = quant ? nullptr : x_scale->data_ptr<float>();
+  p.x_scale_stride = quant || x_scale->numel() == 1 ? 0 : 1;
   p.w = static_cast<const uint8_t*>(weight.data_ptr());
   p.w_stride = weight.stride(0);
   p.w_scale = weight_scale.data_ptr<float>();
@@ -239,9 +312,9 @@ at::Tensor fp8_stream_mm(const at::Tensor& x, const at::Tensor& x_scale, const a
   p.n = static_cast<int>(n);
   p.k = static_cast<int>(k);
   switch (out_dtype) {
-    case at::kBFloat16: launch_fp8_stream_mm<__nv_bfloat16>(p); break;
-    case at::kHalf: launch_fp8_stream_mm<__half>(p); break;
-    default: launch_fp8_stream_mm<float>(p); break;
+    case at::kBFloat16: dispatch_x<__nv_bfloat16>(p, x_dtype); break;
+    case at::kHalf: dispatch_x<__half>(p, x_dtype); break;
+    default: dispatch_x<float>(p, x_dtype); break;
   }
   return out;
 }
