@@ -283,5 +283,6 @@ def fp8_mm_triton(x: Tensor, x_scale: Tensor, weight: Tensor, weight_scale: Tens
     fp8_mm_kernel[(triton.cdiv(n, bn),)](
         x_desc, w_desc, x_scale, weight_scale, bias if bias is not None else out, out, m, n, k, out.stride(0),
         XS_STRIDE=0 if x_scale.numel() == 1 else 1, WS_STRIDE=0 if weight_scale.numel() == 1 else 1,
-        HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, STAGES=stages, PDL=pdl, num_warps=4, **launch)
+        HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, STAGES=stages, PDL=pdl,
+        num_warps=4 * (bn // 64), **launch)  # a warpgroup per 64 weight rows (the promotion doubles the accumulators)
     return out

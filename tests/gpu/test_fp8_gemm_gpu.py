@@ -76,6 +76,27 @@ def test_routed_op(m, per_tensor, out_dtype):
     check(torch.ops.compilelm.fp8_linear(q, xs, w, ws, b, out_dtype), q, xs, w, ws, b, out_dtype)
 
 
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 9, 64])
+def test_quant_prologue(m, x_dtype):
+    """fp8_quant_linear (o_proj after fuse_quant_linear): at <= 8 rows fp8_stream_mm quantizes x in
+    its prologue, bit for bit what the quant kernel then fp8_stream_mm compute; else the two ops."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8_stream_mm needs sm_89+")
+    n, k = 1000, 4096
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = (torch.randn(m, k, device="cuda", generator=g) * torch.logspace(-2, 1, m, device="cuda")[:, None]).to(x_dtype)
+    _, _, w, ws, b = problem(m, n, k, bias=True)
+    q, xs = torch.ops.compilelm.quant_fp8_per_token(x)
+    fused = torch.ops.compilelm.fp8_quant_linear(x, w, ws, b, torch.bfloat16)
+    unfused = torch.ops.compilelm.fp8_linear(q, xs, w, ws, b, torch.bfloat16)
+    assert torch.equal(fused, unfused)
+    check(fused, q, xs, w, ws, b, torch.bfloat16)
+    if m <= 8:
+        direct = torch.ops.compilelm.fp8_stream_mm(x, None, w, ws, b, torch.bfloat16)
+        assert torch.equal(direct, torch.ops.compilelm.fp8_stream_mm(q, xs, w, ws, b, torch.bfloat16))
+
+
 def test_odd_k_and_strided_rows_fall_back():
     q, xs, w, ws, _ = problem(3, 64, 200)  # K = 200: no kernel (nor cuBLASLt) takes it
     check(torch.ops.compilelm.fp8_linear(q, xs, w, ws, None, torch.bfloat16), q, xs, w, ws, None, torch.bfloat16)
@@ -92,6 +113,9 @@ def test_stream_kernel_refuses_bad_inputs():
     q, xs, w, ws, _ = problem(2, 64, 200)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         torch.ops.compilelm.fp8_stream_mm(q, xs, w, ws, None, torch.bfloat16)
+    _, _, w, ws, _ = problem(9, 64, 64)
+    with pytest.raises(RuntimeError, match="quantizing x in the kernel"):
+        torch.ops.compilelm.fp8_stream_mm(torch.randn(9, 64, device="cuda"), None, w, ws, None, torch.bfloat16)
 
 
 def test_route_by_rows():
