@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from compilelm.ops.quant import FP8_DTYPE, quant_fp8_per_token_ref
 
@@ -84,7 +85,10 @@ def _check(x, x_scale, weight, weight_scale, bias, out_dtype, op):
                  and x.dtype == FP8_DTYPE and weight.dtype == FP8_DTYPE,
                  lambda: f"{op}: x must be fp8 [M, K] and weight fp8 [N, K], got {tuple(x.shape)} {x.dtype} and "
                          f"{tuple(weight.shape)} {weight.dtype}")
-    torch._check(x_scale.numel() in (1, x.shape[0]) and weight_scale.numel() in (1, weight.shape[0])
+    def one_or(numel, rows):  # (statically: no guard on a symbolic row count)
+        return statically_known_true(numel == 1) or statically_known_true(numel == rows)
+
+    torch._check(one_or(x_scale.numel(), x.shape[0]) and one_or(weight_scale.numel(), weight.shape[0])
                  and x_scale.dtype == torch.float32 and weight_scale.dtype == torch.float32,
                  lambda: f"{op}: x_scale must hold {x.shape[0]} or 1 and weight_scale {weight.shape[0]} or 1 "
                          f"float32 values, got {tuple(x_scale.shape)} {x_scale.dtype} and "
