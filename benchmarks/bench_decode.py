@@ -20,7 +20,9 @@ minus the mean of N_short and N_long.
 
 `--pdl both` / `--hopper-gemm both` add A/B rows (one engine each): compilelm's kernels launched
 without programmatic dependent launch; linear layers at 3-64 rows on cuBLAS instead of the Triton
-GEMM (compilelm/ops/hopper_gemm.py).
+GEMM (compilelm/ops/hopper_gemm.py). `--quantization none fp8` adds rows of the model with FP8 W8A8
+linears (`quantization="fp8"`); `--fp8-gemm both` adds FP8 rows with every FP8 linear on
+torch._scaled_mm instead of compilelm's FP8 kernels (compilelm/ops/fp8_gemm.py: set_fp8_routes).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from benchmarks.common import print_table, write_result  # noqa: E402
 
 H100_BANDWIDTH = 3.35e12
 TARGETS_MS = {("dummy:llama-3.1-8b", 1): 6.0, ("dummy:llama-3.1-8b", 64): 8.8, ("dummy:smollm2-135m", 1): 0.6}
+# issue 36, H100, ctx 1000: 1.2x / 1.1x vLLM 0.26's FP8 (4.29 / 7.76 ms/step)
+TARGETS_MS_FP8 = {("dummy:llama-3.1-8b", 1): 3.6, ("dummy:llama-3.1-8b", 64): 7.05}
 
 
 def copy_bandwidth() -> float:
@@ -186,17 +190,24 @@ def time_hf(model, batch: int, context: int, compile_: bool, n_short: int = 8, n
 def bench_model(name: str, args, bandwidth: float, rows: list, save) -> None:
     import compilelm.ops  # noqa: F401  (loads the kernels: set_programmatic_launch)
     from compilelm import LLM
+    from compilelm.ops.fp8_gemm import set_fp8_routes
 
     max_batch, step_tokens = max(args.batches), 8192
     base = []
     switch = {"on": [True], "off": [False], "both": [False, True]}
-    for pdl, hopper_gemm in [(p, h) for p in switch[args.pdl] for h in switch[args.hopper_gemm]]:
+    quants = [None if q == "none" else q for q in args.quantization]
+    fp8_routes = set_fp8_routes()
+    combos = [(q, p, h, f) for q in quants for p in switch[args.pdl] for h in switch[args.hopper_gemm]
+              for f in (switch[args.fp8_gemm] if q == "fp8" else [None])]
+    for quant, pdl, hopper_gemm, fp8_gemm in combos:
         # kernels launch (and graphs capture) with programmatic dependent launch or without; linear
-        # layers at 3-64 rows on the Triton GEMM (sm_90) or on cuBLAS
+        # layers at 3-64 rows on the Triton GEMM (sm_90) or on cuBLAS; FP8 linears on compilelm's
+        # FP8 kernels or all on torch._scaled_mm
         torch.ops.compilelm.set_programmatic_launch(pdl)
         torch.ops.compilelm.set_hopper_gemm(hopper_gemm)
+        set_fp8_routes(*(fp8_routes if fp8_gemm is not False else (0, 0)))
         t0 = time.perf_counter()
-        llm = LLM(model=name, dtype="bfloat16",
+        llm = LLM(model=name, dtype="bfloat16", quantization=quant,
                   max_model_len=args.context + decode_tokens(max_batch, args.context, args.steps, step_tokens),
                   max_num_seqs=max_batch, max_num_batched_tokens=step_tokens,
                   compilation_config={"cache_dir": args.cache_dir} if args.cache_dir else None)
@@ -208,19 +219,23 @@ def bench_model(name: str, args, bandwidth: float, rows: list, save) -> None:
             timing = time_ours(engine, batch, args.context, args.steps)
             ms, graph_ms = timing["ours_ms"], timing["graph_replay_ms"]
             nbytes = step_bytes(engine.model_config, engine.model_runner.model, batch, args.context)
-            row = dict(model=name, batch=batch, context=args.context, pdl=pdl, hopper_gemm=hopper_gemm, **timing,
+            row = dict(model=name, quantization=quant or "none", fp8_gemm=fp8_gemm, batch=batch,
+                       context=args.context, pdl=pdl, hopper_gemm=hopper_gemm, **timing,
                        roofline_ms=nbytes / H100_BANDWIDTH * 1e3, roofline_measured_ms=nbytes / bandwidth * 1e3,
-                       target_ms=TARGETS_MS.get((name, batch)), startup_s=startup, graph_mib=graph_mib)
+                       target_ms=(TARGETS_MS_FP8 if quant else TARGETS_MS).get((name, batch)), startup_s=startup,
+                       graph_mib=graph_mib)
             row["pct_of_measured_roofline"] = 100 * row["roofline_measured_ms"] / ms
-            (base if pdl and hopper_gemm else rows).append(row)  # HF is compared with the default rows
-            print(f"{name} batch {batch} pdl {pdl} hopper_gemm {hopper_gemm}: {ms:.3f} ms/step "
-                  f"(graph replay {graph_ms} ms)", flush=True)
+            # HF is compared with the default (bf16) rows
+            (base if pdl and hopper_gemm and quant is None else rows).append(row)
+            print(f"{name} {quant or 'bf16'} batch {batch} pdl {pdl} hopper_gemm {hopper_gemm} fp8_gemm {fp8_gemm}: "
+                  f"{ms:.3f} ms/step (graph replay {graph_ms} ms)", flush=True)
         save()
         del llm, engine, graphs
         gc.collect()
         torch.cuda.empty_cache()
     torch.ops.compilelm.set_programmatic_launch(True)
     torch.ops.compilelm.set_hopper_gemm(True)
+    set_fp8_routes(*fp8_routes)
     rows.extend(base)
     save()
     if not args.no_hf:
@@ -254,6 +269,10 @@ def main(argv=None) -> dict:
                     help="programmatic dependent launch of compilelm's kernels (both: an A/B, one engine each)")
     ap.add_argument("--hopper-gemm", choices=["on", "off", "both"], default="on",
                     help="linear layers at 3-64 rows on compilelm's Triton GEMM (sm_90) or on cuBLAS (both: an A/B)")
+    ap.add_argument("--quantization", nargs="+", choices=["none", "fp8"], default=["none"],
+                    help="one engine per value: the bf16 model and / or its FP8 W8A8 linears")
+    ap.add_argument("--fp8-gemm", choices=["on", "off", "both"], default="on",
+                    help="FP8 rows: FP8 linears on compilelm's FP8 kernels (on) or all on torch._scaled_mm (off)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -271,9 +290,9 @@ def main(argv=None) -> dict:
             print(f"{name}: FAILED {rows[-1]['error']}", flush=True)
     path = save()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
-    print_table(rows, ["model", "batch", "pdl", "hopper_gemm", "ours_ms", "graph_replay_ms", "roofline_ms",
-                       "roofline_measured_ms", "pct_of_measured_roofline", "target_ms", "hf_mode",
-                       "hf_static_compile_ms", "hf_static_eager_ms", "speedup_vs_hf"])
+    print_table(rows, ["model", "quantization", "fp8_gemm", "batch", "pdl", "hopper_gemm", "ours_ms",
+                       "graph_replay_ms", "roofline_ms", "roofline_measured_ms", "pct_of_measured_roofline",
+                       "target_ms", "hf_mode", "hf_static_compile_ms", "hf_static_eager_ms", "speedup_vs_hf"])
     print(f"wrote {path}")
     return payload
 

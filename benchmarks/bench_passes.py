@@ -17,8 +17,8 @@ CUDA graph's GPU time alone) at batch 1 and 64 with `--context` tokens of contex
 prefill step's GPU time plus one step's host work, since with async scheduling step() returns
 before the GPU is done). With few layers (scripts/gpu_bench.sh runs 4) a decode step, and a small
 model's prefill, is host-bound and its time moves with the process (+-30-50% between engines of one
-run): read the graph columns there. RMSNorm+quant and SiLU+quant run the model in FP8 mode
-(`quantization="fp8"`); QK-norm+RoPE
+run): read the graph columns there. RMSNorm+quant, SiLU+quant and quant+fp8_linear run the model in FP8
+mode (`quantization="fp8"`); QK-norm+RoPE
 runs Qwen3-0.6B.
 
     python benchmarks/bench_passes.py                       # CUDA if available: (a) + (b)
@@ -67,10 +67,19 @@ def silu_mul_quant(x, residual, w):
     return ops.quant_fp8_per_token(_act(x))
 
 
+O_PROJ: dict[str, torch.Tensor] = {}  # the FP8 o_proj of quant_linear's piece, set per device (quant_piece_rows)
+
+
+def quant_linear(x, residual, w):  # o_proj: its input's quant has no producer to fuse into
+    q, s = ops.quant_fp8_per_token(x)
+    return ops.fp8_linear(q, s, O_PROJ["weight"], O_PROJ["scale"], None, x.dtype)
+
+
 FUSIONS = {  # name -> (piece, PassConfig switch, width of x)
     "rms_norm+quant": (rms_quant, "fuse_norm_quant", HIDDEN),
     "add+rms_norm+quant": (add_rms_quant, "fuse_norm_quant", HIDDEN),
     "silu_mul+quant": (silu_mul_quant, "fuse_act_quant", 2 * INTER),
+    "quant+fp8_linear (o_proj)": (quant_linear, "fuse_quant_linear", HIDDEN),
 }
 ATTENTION_FUSIONS = {  # name -> model whose shapes the whole-forward piece has
     "rope+attention": "dummy:smollm2-135m",
@@ -81,6 +90,7 @@ E2E_CASES = [  # (fusion, model, quantization, switch turned off)
     ("qk_norm+rope+attention", "dummy:qwen3-0.6b", None, "fuse_rope_attention"),
     ("rms_norm+quant", "dummy:smollm2-135m", "fp8", "fuse_norm_quant"),
     ("silu_mul+quant", "dummy:smollm2-135m", "fp8", "fuse_act_quant"),
+    ("quant+fp8_linear (o_proj prologue)", "dummy:smollm2-135m", "fp8", "fuse_quant_linear"),
     ("residual add out of addmm", "dummy:smollm2-135m", None, "unfuse_residual_addmm"),
     ("route_linear", "dummy:smollm2-135m", None, "route_linear"),  # (switches the linear fusions off with it)
     ("(add+) rms_norm+linear", "dummy:smollm2-135m", None, "fuse_norm_linear"),
@@ -117,7 +127,7 @@ def bench(fn, args, iters: int, device: torch.device, repeats: int = 5) -> float
 
 
 def compile_piece(fn, switch: str | None):
-    off = {"fuse_norm_quant": False, "fuse_act_quant": False}
+    off = {"fuse_norm_quant": False, "fuse_act_quant": False, "fuse_quant_linear": False}
     manager = PassManager(PassConfig(**{**off, **({switch: True} if switch else {})}))
     torch._dynamo.reset()
     compiled = torch.compile(fn, dynamic=False, options={"post_grad_custom_post_pass": manager})
@@ -125,6 +135,9 @@ def compile_piece(fn, switch: str | None):
 
 
 def quant_piece_rows(args, device, dtype) -> list[dict]:
+    from compilelm.layers.quantization import quantize_weight_per_channel
+
+    O_PROJ["weight"], O_PROJ["scale"] = quantize_weight_per_channel(torch.randn(HIDDEN, HIDDEN, device=device) * 0.05)
     rows = []
     for name, (fn, switch, width) in FUSIONS.items():
         for n in args.tokens:

@@ -103,6 +103,26 @@ TORCH_LIBRARY(compilelm, m) {
       "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, Tensor cu_seqlens_q, Tensor seq_lens, "
       "Tensor block_tables, float scale, int max_query_len=0, float k_scale=1.0, float v_scale=1.0) -> Tensor");
 
+  // FP8 W8A8 linear: x fp8 [M, K] with x_scale fp32 (M values: per token, or one: per tensor),
+  // weight fp8 [N, K] with weight_scale fp32 (N values: per channel, or one), bias [N] or None ->
+  // (x.float() @ weight.float().T) * x_scale * weight_scale (+ bias): [M, N] in out_dtype. The
+  // layer's op: on CUDA it picks the kernel by M (compilelm/ops/fp8_gemm.py: fp8_stream_mm, the
+  // Triton FP8 GEMM, torch._scaled_mm).
+  m.def(
+      "fp8_linear(Tensor x, Tensor x_scale, Tensor weight, Tensor weight_scale, Tensor? bias, "
+      "ScalarType out_dtype) -> Tensor");
+  // quant_fp8_per_token(x) then fp8_linear: x bf16 / fp16 / fp32 [M, K]. On CUDA one kernel where
+  // fp8_stream_mm's quant prologue takes x, else the two ops (compilelm/ops/fp8_gemm.py).
+  m.def(
+      "fp8_quant_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, ScalarType out_dtype) "
+      "-> Tensor");
+  // fp8_linear's product for M <= 16 on CUDA (sm_89+) by streaming the weight once
+  // (csrc/cuda/fp8_stream_mm.cu: K a multiple of 16, rows 16-byte aligned, contiguous scales,
+  // bias in out_dtype). x_scale None: x is bf16 / fp16 / fp32 (M <= 8, M x K <= 48K), quantized
+  // per token in the kernel (fp8_quant_linear).
+  m.def(
+      "fp8_stream_mm(Tensor x, Tensor? x_scale, Tensor weight, Tensor weight_scale, Tensor? bias, "
+      "ScalarType out_dtype) -> Tensor");
   // x: [num_tokens, hidden] -> (q: fp8 [num_tokens, hidden], scale: fp32 [num_tokens, 1])
   m.def("quant_fp8_per_token(Tensor x) -> (Tensor, Tensor)");
   m.def("quant_fp8_static(Tensor x, Tensor scale) -> Tensor");

@@ -13,6 +13,7 @@ torch composition of the unfused ops). Ops that are defined in Python rather tha
     gemm.py, hopper_gemm.py            linear layers (weight streaming, the Hopper GEMM), fused norm/act
     qkv_rope.py, norm_gemm.py          projections with RoPE + cache write, norms between two GEMMs
     quant.py                           FP8 quantization, fused with its producer
+    fp8_gemm.py                        FP8 W8A8 GEMM (per-token x per-channel scales), routed by rows
     fp8_block_gemm.py                  block-scaled FP8 GEMM (block-wise FP8 checkpoints)
     sampling.py                        greedy argmax
     collectives.py                     tensor-parallel all-reduce (+ add + RMSNorm), all-gather
@@ -47,7 +48,7 @@ from compilelm.ops import norm, activation, rope  # noqa: E402, I001  (reference
 from compilelm.ops import attention, unified_attention  # noqa: E402
 from compilelm.ops import gemm, qkv_rope, hopper_gemm, norm_gemm  # noqa: E402
 from compilelm.ops import quant, sampling, collectives  # noqa: E402
-from compilelm.ops import fp8_block_gemm  # noqa: E402
+from compilelm.ops import fp8_block_gemm, fp8_gemm  # noqa: E402
 from compilelm.ops.attention import (  # noqa: E402
     paged_attention, paged_attention_ref, reshape_and_cache, reshape_and_cache_ref, rope_paged_attention,
     rope_paged_attention_ref,
@@ -73,6 +74,7 @@ __all__ = [
     "attention",
     "collectives",
     "fp8_block_gemm",
+    "fp8_gemm",
     "fused_add_rms_norm",
     "fused_add_rms_norm_linear",
     "fused_add_rms_norm_linear_ref",

@@ -35,6 +35,7 @@ class PassConfig:
     fuse_norm_gemm: bool = builtin("fusion.fuse_norm_gemm:NormGemmFusionPass")
     fuse_norm_quant: bool = builtin("fusion.fuse_norm_quant:RMSNormQuantFusionPass")
     fuse_act_quant: bool = builtin("fusion.fuse_act_quant:SiluMulQuantFusionPass")
+    fuse_quant_linear: bool = builtin("fusion.fuse_quant_linear:QuantLinearFusionPass")
     # the tail, after every other pass: functional ops -> in-place kernels (cleanups around it)
     lower_inplace: bool = builtin("utility.inplace_lowering:InplaceLoweringPass", 1, ("tail",))
 

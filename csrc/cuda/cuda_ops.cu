@@ -24,6 +24,7 @@ TORCH_LIBRARY_IMPL(compilelm, CUDA, m) {
   m.impl("qkv_rope_cache", &compilelm::cuda::qkv_rope_cache);
   m.impl("rms_norm_qkv_rope_cache", &compilelm::cuda::rms_norm_qkv_rope_cache);
   m.impl("fused_add_rms_norm_qkv_rope_cache", &compilelm::cuda::fused_add_rms_norm_qkv_rope_cache);
+  m.impl("fp8_stream_mm", &compilelm::cuda::fp8_stream_mm);
   m.impl("argmax_rows", &compilelm::cuda::argmax_rows);
   m.impl("custom_all_reduce", &compilelm::cuda::custom_all_reduce);
   m.impl("custom_all_reduce_add_rms_norm", &compilelm::cuda::custom_all_reduce_add_rms_norm);

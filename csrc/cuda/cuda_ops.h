@@ -135,6 +135,11 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_qkv_rope_cache(
     const at::Tensor& weight, const at::Tensor& positions, const at::Tensor& cos_sin_cache, at::Tensor& key_cache,
     at::Tensor& value_cache, const at::Tensor& slot_mapping, int64_t num_heads);
 
+// fp8_stream_mm.cu
+at::Tensor fp8_stream_mm(const at::Tensor& x, const std::optional<at::Tensor>& x_scale, const at::Tensor& weight,
+                         const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
+                         at::ScalarType out_dtype);
+
 // argmax_kernels.cu
 at::Tensor argmax_rows(const at::Tensor& x);
 void argmax_rows_into(const at::Tensor& x, const at::Tensor& out);  // out: int64 [rows]; a helper

@@ -190,12 +190,13 @@ def test_manager_order_switches_and_uuid():
                                                         "SiluMulLinearFusionPass",
                                                         "QKVRopeFusionPass", "NormGemmFusionPass",
                                                         "RMSNormQuantFusionPass",
-                                                        "SiluMulQuantFusionPass",
+                                                        "SiluMulQuantFusionPass", "QuantLinearFusionPass",
                                                         "CleanupPass", "InplaceLoweringPass", "CleanupPass"]
     off = PassManager(PassConfig(eliminate_noops=False, lower_inplace=False, fuse_rope_attention=False,
                                  fuse_norm_quant=False, fuse_act_quant=False, fuse_allreduce_rms=False,
                                  unfuse_residual_addmm=False, route_linear=False, fuse_norm_linear=False,
-                                 fuse_act_linear=False, fuse_qkv_rope=False, fuse_norm_gemm=False))
+                                 fuse_act_linear=False, fuse_qkv_rope=False, fuse_norm_gemm=False,
+                                 fuse_quant_linear=False))
     assert [p.name for p in off.passes] == ["CleanupPass"]
     assert on.uuid() != off.uuid()
     custom = PassManager(PassConfig(), custom_passes=("tests.compile.test_passes:MulAddFusionPass",))

@@ -13,10 +13,10 @@ float8_e4m3fn weights and scales, bit for bit.
 Packed layers (q|k|v -> qkv_proj, gate|up -> gate_up_proj) with per-tensor scales: each shard's
 published scale stays on its own rows (a per-channel scale vector), so no weight is re-quantized
 and the numbers are the checkpoint's. vLLM instead re-quantizes the shards to their max scale
-(its per-tensor CUTLASS GEMM takes one scale); here the rowwise-scaled `_scaled_mm` takes the
-vector at the same cost. Static input scales of packed shards (one input, calibrated per shard)
-become their max, as in vLLM. Block scales of packed shards stack along the rows: every shard's
-rows must be a multiple of bn (as vLLM requires).
+(its per-tensor CUTLASS GEMM takes one scale); here `compilelm::fp8_linear`'s kernels
+(compilelm/ops/fp8_gemm.py) take the vector at the same cost. Static input scales of packed shards
+(one input, calibrated per shard) become their max, as in vLLM. Block scales of packed shards
+stack along the rows: every shard's rows must be a multiple of bn (as vLLM requires).
 
 KV-cache scales (an FP8 KV cache's, `split_kv_scales`): `*.self_attn.k_scale` / `.v_scale` (FP8 /
 modelopt / newer compressed-tensors checkpoints), `*.self_attn.kv_scale` (one for both, older FP8

@@ -1,6 +1,7 @@
 """FP8 W8A8 linear layers: float8_e4m3fn weights with per-output-channel scales, activations
 quantized per token (dynamic, the default) or with one static per-tensor scale, matmul through
-`torch._scaled_mm` (fp8 x fp8 -> the activation dtype, scales applied in its epilogue; CPU and CUDA).
+`compilelm::fp8_linear` (fp8 x fp8 -> the activation dtype, scales applied in its epilogue; on CUDA
+a kernel per row count: compilelm/ops/fp8_gemm.py).
 Block-wise FP8 checkpoints (`Fp8BlockLinearMethod`) quantize activations per 1 x bk group and
 multiply through `compilelm::fp8_block_linear` (compilelm/ops/fp8_block_gemm.py).
 
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from compilelm.layers.linear import Linear
-from compilelm.ops import fp8_block_gemm
+from compilelm.ops import fp8_block_gemm, fp8_gemm  # noqa: F401  (fp8_gemm: registers compilelm::fp8_linear)
 from compilelm.ops import quant as _quant_ops  # noqa: F401  (registers torch.ops.compilelm.quant_*)
 from compilelm.ops.quant import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
@@ -59,9 +60,8 @@ class Fp8LinearMethod:
             q, x_scale = torch.ops.compilelm.quant_fp8_per_token(x2)  # x_scale: [num_tokens, 1]
         else:
             q = torch.ops.compilelm.quant_fp8_static(x2, layer.input_scale)
-            x_scale = layer.input_scale.expand(q.shape[0], 1).contiguous()
-        out = torch._scaled_mm(q, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale,
-                               bias=layer.bias, out_dtype=x.dtype)
+            x_scale = layer.input_scale  # [1]: one scale for every row
+        out = torch.ops.compilelm.fp8_linear(q, x_scale, layer.weight, layer.weight_scale, layer.bias, x.dtype)
         return out if x.dim() == 2 else out.reshape(*shape[:-1], out.shape[-1])
 
 
