@@ -232,12 +232,12 @@ def test_failed_rank_reports_then_leaves_the_group_with_the_driver():
     config = make_engine_config("dummy:qwen3-0.6b", model_overrides=QWEN3[1], tensor_parallel_size=2,
                                 max_model_len=128, enforce_eager=True)
     executor = Executor(config)
-    proc, conn = executor.procs[0], executor.conns[0]
+    proc = executor.procs[0]
     try:
-        conn.send(("no_such_method", (), True))
+        executor.broadcast.send_call("no_such_method", (), True)
         with pytest.raises(RuntimeError, match="(?s)rank 1 failed:.*no_such_method"):
             executor._reply(1)
-        conn.send(("num_kv_blocks", (), True))
+        executor.broadcast.send_call("num_kv_blocks", (), True)
         with pytest.raises(RuntimeError, match="failed earlier"):
             executor._reply(1)
         assert proc.is_alive()  # still in the group, waiting for the driver's shutdown
