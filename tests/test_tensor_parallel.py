@@ -191,6 +191,91 @@ def test_tp2_equals_tp1_compiled(fuse, tmp_path):
     _assert_same(_generate(2, *QWEN3, compilation_config=cc), _generate(1, *QWEN3, enforce_eager=True))
 
 
+# -- async scheduling at tensor_parallel_size 2 -------------------------------------------------
+
+MIXED_PROMPTS = [list(range(100, 170)), [5, 6, 7], [1, 2, 3], list(range(60, 80)), [11, 12, 13, 14]]
+
+
+def _mixed_params():
+    """Greedy rows (with and without logprobs) and a seeded random one: its steps make rank 0
+    broadcast the sampled ids; all-greedy steps let every rank take its own argmax."""
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    return [greedy, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+            SamplingParams(n=2, temperature=1.0, top_p=0.9, seed=7, max_tokens=9, ignore_eos=True),
+            SamplingParams(max_tokens=6, temperature=0, logprobs=1, ignore_eos=True), greedy]
+
+
+def _run_engine(tp: int, async_scheduling: bool, prompts, params, **kw):
+    """Outputs (token ids of every completion) and, on the driver, each step's share mode and
+    number of pending rows; the engine's preemption count."""
+    from compilelm.llm import LLM
+    llm = LLM(f"dummy:{QWEN3[0]}", model_overrides=QWEN3[1], tensor_parallel_size=tp, enforce_eager=True,
+              async_scheduling=async_scheduling, **kw)
+    runner, steps = llm.engine.model_runner, []
+    prepare = runner.prepare_step
+
+    def spy(sched, *args, **kwargs):
+        step = prepare(sched, *args, **kwargs)
+        steps.append((step.share_sampled, 0 if step.pending_rows is None else len(step.pending_rows)))
+        return step
+    runner.prepare_step = spy
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [[c.token_ids for c in o.outputs] for o in outs], steps, llm.engine.scheduler.num_preemptions
+    finally:
+        llm.engine.shutdown()
+
+
+MIXED = dict(max_model_len=128, num_kv_blocks=64, max_num_batched_tokens=32)  # 70 tokens: chunked
+PREEMPT = dict(max_model_len=64, num_kv_blocks=7)  # 6 usable blocks of 16 for 4 x 54 tokens
+
+
+def test_tp2_async_matches_sync_and_tp1_mixed():
+    """Async TP=2 (chunked prefill, greedy + seeded random + logprobs) == sync TP=2 for every
+    token; its greedy requests == TP=1's. Both ways of sharing the sampled ids ran, with pending
+    rows (rows whose input id was still on the device)."""
+    params = _mixed_params()
+    asyn, steps, _ = _run_engine(2, True, MIXED_PROMPTS, params, **MIXED)
+    sync, sync_steps, _ = _run_engine(2, False, MIXED_PROMPTS, params, **MIXED)
+    ref, _, _ = _run_engine(1, False, MIXED_PROMPTS, params, **MIXED)
+    assert asyn == sync
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    assert [asyn[i] for i in greedy] == [ref[i] for i in greedy]
+    modes = {mode for mode, pending in steps if pending}
+    assert modes == {"argmax", "broadcast"}, steps
+    assert all(mode is None and pending == 0 for mode, pending in sync_steps)
+
+
+def test_tp2_async_matches_tp1_with_preemption():
+    prompts = [list(range(10 * i, 10 * i + 14)) for i in range(4)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    asyn, steps, preempted = _run_engine(2, True, prompts, params, **PREEMPT)
+    ref, _, _ = _run_engine(1, False, prompts, params, **PREEMPT)
+    assert preempted > 0
+    assert asyn == ref
+    assert any(pending for _, pending in steps)
+
+
+def test_rank_that_exits_mid_generation_is_an_error_at_the_driver():
+    """A rank killed between steps: the next step raises at the driver (no hang)."""
+    import time
+
+    from compilelm.llm import LLM
+    llm = LLM(f"dummy:{QWEN3[0]}", model_overrides=QWEN3[1], tensor_parallel_size=2, enforce_eager=True,
+              async_scheduling=True, max_model_len=128, num_kv_blocks=64)
+    try:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+        proc = llm.engine.executor.procs[0]
+        proc.kill()
+        proc.join(timeout=30)
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError, match="rank 1"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)
+        assert time.perf_counter() - t0 < 60
+    finally:
+        llm.engine.shutdown()
+
+
 def test_tp2_compile_reports_one_fusion_per_norm(tmp_path):
     """`compilelm compile -tp 2`'s path: every rank compiles; the all-reduce fusion matches every
     norm that follows an all-reduce: 2 per layer (the first layer's input norm follows the
