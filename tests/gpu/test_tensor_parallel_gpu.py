@@ -31,12 +31,18 @@ def _is_host_collective(name: str) -> bool:
                                                                                "all_gather", "allgather"))
 
 
-def _llm(tp: int, async_scheduling: bool, tmp_path, eager: bool = False, **kw):
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One compile cache for the module: the TP=2 engines after the first load their pieces."""
+    return tmp_path_factory.mktemp("tp_cache")
+
+
+def _llm(tp: int, async_scheduling: bool, cache_dir, eager: bool = False, **kw):
     from compilelm.llm import LLM
     if eager:
         kw["enforce_eager"] = True
     else:
-        kw["compilation_config"] = {"cache_dir": str(tmp_path / "cache"), "cudagraph_mode": "full_and_piecewise",
+        kw["compilation_config"] = {"cache_dir": str(cache_dir), "cudagraph_mode": "full_and_piecewise",
                                     "cudagraph_capture_sizes": [1, 2, 4, 8]}
     return LLM(MODEL[0], model_overrides=MODEL[1], max_model_len=256, num_kv_blocks=128, device="cuda",
                dtype="float32", tensor_parallel_size=tp, async_scheduling=async_scheduling, **kw)
@@ -87,16 +93,28 @@ def _decode_profile(llm, steps: int = 6) -> dict:
             "allreduce_kernels": [k for k in kernels if "nccl" in k.lower() or "one_shot" in k]}
 
 
+GREEDY = dict(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tp1_tokens():
+    from compilelm.sampling_params import SamplingParams
+    ref = _llm(1, False, None, eager=True)
+    try:
+        return _tokens(ref, SamplingParams(**GREEDY))
+    finally:
+        ref.engine.shutdown()
+
+
 @pytest.mark.parametrize("min_bytes", [0, -1], ids=["one-shot", "nccl"])
-def test_full_graph_decode_captures_the_collectives(min_bytes, tmp_path):
+def test_full_graph_decode_captures_the_collectives(min_bytes, cache_dir, tp1_tokens):
     """Every steady decode step is one full-graph replay with the all-reduces inside it: no
     collective is called from the host, yet all-reduce kernels run; tokens as eager TP=1."""
     from compilelm.sampling_params import SamplingParams
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    llm = _llm(2, True, tmp_path, custom_all_reduce_min_bytes=min_bytes)
+    llm = _llm(2, True, cache_dir, custom_all_reduce_min_bytes=min_bytes)
     try:
         assert llm.engine.async_scheduling  # the default on CUDA at any TP size
-        graphed = _tokens(llm, params)
+        graphed = _tokens(llm, SamplingParams(**GREEDY))
         prof = _decode_profile(llm)
     finally:
         llm.engine.shutdown()
@@ -106,19 +124,15 @@ def test_full_graph_decode_captures_the_collectives(min_bytes, tmp_path):
     assert prof["allreduce_kernels"], "no all-reduce kernel ran: the graph lost its collectives"
     if min_bytes == 0:
         assert any("one_shot" in k for k in prof["allreduce_kernels"]), set(prof["allreduce_kernels"])
-    ref = _llm(1, False, tmp_path, eager=True)
-    try:
-        assert graphed == _tokens(ref, params)
-    finally:
-        ref.engine.shutdown()
+    assert graphed == tp1_tokens
 
 
-def test_async_tp2_graphs_match_sync(tmp_path):
+def test_async_tp2_graphs_match_sync(cache_dir):
     """Seeded random + greedy + logprobs, the same compiled model and graphs: async TP=2 == sync
     TP=2, token for token (the random rows need rank 0's broadcast of its sampled ids)."""
     tokens = []
     for async_scheduling in (True, False):
-        llm = _llm(2, async_scheduling, tmp_path)
+        llm = _llm(2, async_scheduling, cache_dir)
         try:
             tokens.append(_tokens(llm, _mixed()))
         finally:
