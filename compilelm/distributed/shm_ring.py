@@ -163,7 +163,10 @@ class ShmRing:
         shm, self.shm = self.shm, None
         if shm is None:
             return
-        shm.close()
+        try:
+            shm.close()
+        except BufferError:  # a caller still holds a view of a slot: the mapping goes at exit
+            pass
         if self.reader is None:
             try:
                 shm.unlink()
