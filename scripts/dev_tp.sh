@@ -26,7 +26,7 @@ if [[ $stages == *" tests "* ]]; then
 fi
 [[ $stages == *" bench "* ]] || exit 0
 B="python3 benchmarks/bench_vs_vllm.py --vllm-site /nonexistent --models dummy:llama-3.1-8b --decode 1x1000 64x1000
-   --decode-steps 8 40 --prefill 16x2000 --repeat 1 --small --max-model-len 4096"
+   --decode-steps 8 40 --prefill 16x2000 --repeat 1 --small"
 n=2
 for tp in 2 1; do  # TP=2 first: the case the issue is about
   t=$(( ($(left) - 5) / n )); n=1

@@ -332,6 +332,39 @@ def test_failed_rank_reports_then_leaves_the_group_with_the_driver():
     assert proc.exitcode == 0
 
 
+def test_rank_that_raises_in_a_step_is_an_error_at_the_driver():
+    """Rank 1 fails inside a step before its collectives while the driver runs the step: the
+    driver's collective fails (the rank left the gloo group) and the rank's traceback is raised,
+    long before the group's timeout."""
+    import time
+
+    import numpy as np
+
+    from compilelm.graphs.step_inputs import HostBatch
+    from compilelm.llm import make_engine_config
+    from compilelm.runtime.executor import Executor
+    from compilelm.runtime.model_runner import StepInputs
+    config = make_engine_config("dummy:qwen3-0.6b", model_overrides=QWEN3[1], tensor_parallel_size=2,
+                                max_model_len=128, enforce_eager=True)
+    executor = Executor(config)
+    try:
+        executor.init_model_runner(16)
+        runner = executor.model_runner
+        one = np.ones(1, np.int64)  # one token, one sequence
+        batch = HostBatch(one * 5, one * 0, one * 16, np.array([0, 1], np.int32), np.ones(1, np.int32),
+                          np.ones((1, 1), np.int32), one * 0, 1)
+        executor.broadcast.send_call("run_step", (None,), False)  # rank 1: AttributeError at once
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError, match="(?s)rank 1 failed:.*AttributeError"):
+            try:
+                runner.run_step(StepInputs(batch, "none", None, 1))  # waits in a collective
+            finally:
+                executor._check_failures()
+        assert time.perf_counter() - t0 < 60
+    finally:
+        executor.shutdown()
+
+
 def test_release_graphs_drops_every_graph_and_steps_run_eagerly():
     """What a TP rank does before leaving its NCCL group: no graph may outlive the communicator
     whose collectives it captured. On CPU there are no graphs: stand-ins with the same shape."""

@@ -45,13 +45,15 @@ class Executor:
         init_method = f"tcp://127.0.0.1:{_free_port()}" if tp > 1 else None
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked CUDA or threads
         self.broadcast = None
+        # Steps get no reply: a rank that sent something has failed (or exited). Raises then.
+        self._check_failures = _rank_check(self.procs, self.conns)
         if tp > 1:
             sched, slot_bytes = config.scheduler, 1 << 20  # (no scheduler: `compile`, which runs no step)
             if sched is not None and config.max_model_len:
                 slot_bytes = slot_bytes_for(sched.max_num_batched_tokens, sched.max_num_seqs,
                                             -(-config.max_model_len // config.cache.block_size))
             ring = ShmRing.create(tp - 1, num_slots=4, slot_bytes=slot_bytes)
-            self.broadcast = StepBroadcast(ring, self.conns, _rank_check(self.procs, self.conns))
+            self.broadcast = StepBroadcast(ring, self.conns, self._check_failures)
         for rank in range(1, tp):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker_main, args=(config, rank, init_method, child, ring.handle),
@@ -106,10 +108,6 @@ class Executor:
                         "a script that starts tensor-parallel engines must guard its entry point with "
                         "`if __name__ == '__main__':` (ranks are spawned)")
         self._replies()
-
-    def _check_failures(self) -> None:
-        """Steps get no reply: a rank that sent something has failed (or exited)."""
-        _rank_check(self.procs, self.conns)()
 
     # -- the engine's interface --------------------------------------------------------------------
 

@@ -142,6 +142,11 @@ def worker_main(config: EngineConfig, rank: int, init_method: str, conn, ring: R
     except BaseException:
         try:
             conn.send(("error", traceback.format_exc()))
+            if worker is not None and worker.device.type == "cpu":
+                # gloo: leaving now closes this rank's connections, so a collective the driver is
+                # waiting in fails at once instead of at the group's timeout (an NCCL driver
+                # notices while it polls for the step's sampled ids)
+                destroy_distributed()
             abort = receiver is None or not _await_shutdown(receiver, conn)
         except OSError:
             abort = True
