@@ -4,7 +4,10 @@
 # 64 at context 1000, prefill 16x2000) with async scheduling (the default); JSON and logs in $OUT,
 # the table last, with the issue's vLLM TP=2 numbers and the targets.
 #
-#   bash scripts/dev_tp.sh [tests] [bench]      (default: both, in that order)
+#   bash scripts/dev_tp.sh [tests] [bench] [profile]   (default: tests bench, in that order)
+#
+# profile (opt-in, best alone: `bash scripts/dev_tp.sh profile`): profile_host.py on the 8B at TP=2, batch 64, async and sync: host
+# time per step by phase (the ring write included) and the pipe-vs-ring transport on this host.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/dev_tp}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
@@ -23,6 +26,12 @@ if [[ $stages == *" tests "* ]]; then
   timeout $cap python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_tensor_parallel_gpu.py -x \
     >"$OUT/tests_tp.log" 2>&1
   echo "tp tests: $(tail -1 "$OUT/tests_tp.log") ($(($(date +%s) - T0)) s)"
+fi
+if [[ $stages == *" profile "* ]]; then
+  cap=$(( $(left) - 5 )); [[ $stages == *" bench "* ]] && cap=100
+  timeout $cap python3 benchmarks/profile_host.py --model dummy:llama-3.1-8b --batch 64 --context 1000 \
+    --tensor-parallel-size 2 --out "$OUT/profile_host_tp2.json" >"$OUT/profile_host_tp2.log" 2>&1
+  echo "profile: exit $? ($(($(date +%s) - T0)) s)"; grep -E "===|ms/step" "$OUT/profile_host_tp2.log"
 fi
 [[ $stages == *" bench "* ]] || exit 0
 B="python3 benchmarks/bench_vs_vllm.py --vllm-site /nonexistent --models dummy:llama-3.1-8b --decode 1x1000 64x1000
