@@ -394,6 +394,50 @@ def test_rank_that_raises_in_a_step_is_an_error_at_the_driver():
         executor.shutdown()
 
 
+_ORPHAN_DRIVER = """
+import sys, time
+from compilelm.llm import make_engine_config
+from compilelm.runtime.executor import Executor
+if __name__ == "__main__":
+    config = make_engine_config("dummy:qwen3-0.6b", model_overrides={overrides!r}, tensor_parallel_size=2,
+                                max_model_len=128, enforce_eager=True)
+    executor = Executor(config)
+    print(executor.procs[0].pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_ranks_exit_when_the_driver_is_killed(tmp_path):
+    """A driver killed with SIGKILL runs no cleanup: its ranks, waiting for the next command in
+    the ring, notice that it is gone and exit instead of polling forever."""
+    import os
+    import subprocess
+    import sys
+    import time
+    script = tmp_path / "driver.py"
+    script.write_text(_ORPHAN_DRIVER.format(overrides=QWEN3[1]))
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        rank_pid = int(driver.stdout.readline())
+        driver.kill()
+        driver.wait(timeout=30)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                with open(f"/proc/{rank_pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] in "ZX":  # exited, not yet reaped
+                        break
+            except FileNotFoundError:
+                break
+            time.sleep(0.2)
+        else:
+            os.kill(rank_pid, 9)
+            raise AssertionError("the rank outlived its driver by 60 s")
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+
+
 def test_release_graphs_drops_every_graph_and_steps_run_eagerly():
     """What a TP rank does before leaving its NCCL group: no graph may outlive the communicator
     whose collectives it captured. On CPU there are no graphs: stand-ins with the same shape."""

@@ -28,7 +28,7 @@ KIND_STEP, KIND_PIPE = 1, 2
 HEADER = 11
 GRAPH_MODES = ("none", "piecewise", "full")
 SHARE_MODES = (None, "argmax", "broadcast")
-MAX_SLOT_BYTES = 8 << 20  # larger steps (very long contexts at many sequences) go down the pipe
+MAX_SLOT_BYTES = 4 << 20  # larger steps (very long contexts at many sequences) go down the pipe
 
 
 def step_bytes(num_tokens: int, num_seqs: int, width: int, num_logits: int, num_pending: int) -> int:
