@@ -69,17 +69,17 @@ def encode_step(step: StepInputs, out: np.ndarray) -> int | None:
 
 def decode_step(buf: np.ndarray) -> StepInputs:
     """The StepInputs `encode_step` wrote into `buf` (copies: the slot is reused later)."""
-    h = buf[:8 * HEADER].view(np.int64)
-    kind, t, s, w, lg, p, max_query_len, mode, size, num_sampled, share = (int(x) for x in h)
+    kind, t, s, w, lg, p, max_query_len, mode, size, num_sampled, share = buf[:8 * HEADER].view(np.int64).tolist()
     if kind != KIND_STEP:
         raise ValueError(f"not an encoded step (kind {kind})")
-    n64 = HEADER + 3 * t + lg + 2 * max(p, 0)
-    a64 = buf[:8 * n64].view(np.int64)
-    offsets = np.cumsum([HEADER, t, t, t, lg, max(p, 0), max(p, 0)])
-    ids, pos, slots, logits_idx, rows, src = (a64[offsets[i]:offsets[i + 1]].copy() for i in range(6))
-    a32 = buf[8 * n64:8 * n64 + 4 * (2 * s + 1 + s * w)].view(np.int32)
-    batch = HostBatch(ids, pos, slots, a32[:s + 1].copy(), a32[s + 1:2 * s + 1].copy(),
-                      a32[2 * s + 1:].reshape(s, w).copy(), logits_idx, max_query_len)
+    n = max(p, 0)
+    n64 = HEADER + 3 * t + lg + 2 * n
+    a64 = buf[:8 * n64].view(np.int64).copy()  # one copy out of the slot; the arrays are views of it
+    a32 = buf[8 * n64:8 * n64 + 4 * (2 * s + 1 + s * w)].view(np.int32).copy()
+    o = HEADER + 3 * t
+    rows, src = a64[o + lg:o + lg + n], a64[o + lg + n:o + lg + 2 * n]
+    batch = HostBatch(a64[HEADER:HEADER + t], a64[HEADER + t:HEADER + 2 * t], a64[HEADER + 2 * t:o],
+                      a32[:s + 1], a32[s + 1:2 * s + 1], a32[2 * s + 1:].reshape(s, w), a64[o:o + lg], max_query_len)
     return StepInputs(batch, GRAPH_MODES[mode], None if size < 0 else size, num_sampled,
                       None if p < 0 else rows, None if p < 0 else src, SHARE_MODES[share])
 
