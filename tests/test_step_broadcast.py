@@ -117,3 +117,41 @@ def test_step_encoding_round_trips(pending):
     plain = StepInputs(step.batch, "none", None, 0)
     back = decode_step(buf[:encode_step(plain, buf)])
     assert (back.graph_mode, back.graph_size, back.share_sampled) == ("none", None, None)
+
+
+def _receiver(handle, conn, count):
+    from compilelm.runtime.step_broadcast import StepReceiver
+    receiver = StepReceiver(handle, 0, conn, lambda: None, spin_s=0.001)
+    for _ in range(count):
+        method, args, want_reply = receiver.recv()
+        if method == "run_step":
+            conn.send((method, args[0].batch.input_ids.tolist(), args[0].batch.block_tables.tolist(), want_reply))
+        else:
+            conn.send((method, args, None, want_reply))
+    receiver.close()
+
+
+def test_steps_and_calls_arrive_in_order_and_large_steps_go_down_the_pipe():
+    from compilelm.runtime.step_broadcast import StepBroadcast
+    rng = np.random.default_rng(1)
+    small, large = _step(rng, 3, 1, 2, True), _step(rng, 400, 8, 50, False)  # large: > the 2 KiB slot
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    ring = ShmRing.create(num_readers=1, num_slots=2, slot_bytes=2048)
+    broadcast = StepBroadcast(ring, [parent], lambda: None)
+    proc = ctx.Process(target=_receiver, args=(ring.handle, child, 5))
+    proc.start()
+    try:
+        broadcast.send_step(small)
+        broadcast.send_call("num_kv_blocks", (7,), True)
+        broadcast.send_step(large)
+        broadcast.send_step(small)
+        broadcast.send_call("shutdown", (), False)
+        got = [parent.recv() for _ in range(5)]
+    finally:
+        proc.join(timeout=30)
+        broadcast.close()
+    step = lambda s: ("run_step", s.batch.input_ids.tolist(), s.batch.block_tables.tolist(), False)  # noqa: E731
+    assert got == [step(small), ("num_kv_blocks", (7,), None, True), step(large), step(small),
+                   ("shutdown", (), None, False)]
+    assert (broadcast.steps_in_ring, broadcast.steps_piped) == (2, 1)
