@@ -155,3 +155,22 @@ def test_steps_and_calls_arrive_in_order_and_large_steps_go_down_the_pipe():
     assert got == [step(small), ("num_kv_blocks", (7,), None, True), step(large), step(small),
                    ("shutdown", (), None, False)]
     assert (broadcast.steps_in_ring, broadcast.steps_piped) == (2, 1)
+
+
+def test_waiting_for_a_step_checks_the_ranks_and_raises_their_failure():
+    """AsyncStepOutput's wait under TP (`_poll`): returns once the event passes, calling the
+    check meanwhile; a check that raises (a rank gone) ends the wait with its error."""
+    from compilelm.runtime.async_step import _poll
+
+    class Event:  # a torch.cuda.Event stand-in that passes at `at`
+        def __init__(self, at):
+            self.at = at
+
+        def query(self):
+            return time.perf_counter() >= self.at
+
+    calls = []
+    _poll(Event(time.perf_counter() + 0.05), lambda: calls.append(1), check_s=0.01)
+    assert 2 <= len(calls) <= 6
+    with pytest.raises(RuntimeError, match="rank 1 exited"):
+        _poll(Event(float("inf")), lambda: (_ for _ in ()).throw(RuntimeError("rank 1 exited")), check_s=0.01)

@@ -52,8 +52,8 @@ def needs_host_state(request: Request) -> bool:
 class AsyncStepOutput:
     """A launched step: its StepOutput, whose sampler output is filled in by `get()`. `check`
     (tensor parallel): raises when another rank failed or exited; `get()` then polls the step's
-    event and calls it every CHECK_S instead of blocking, so that a collective that will never
-    complete (its peer is gone) is an error, not a hang."""
+    event (`_poll`) and calls it every CHECK_S instead of blocking, so that a collective that
+    will never complete (its peer is gone) is an error, not a hang."""
 
     CHECK_S = 0.01
 
@@ -80,13 +80,20 @@ class AsyncStepOutput:
         return self.out
 
 
-def _poll(event: torch.cuda.Event, check: Callable[[], None], check_s: float) -> None:
-    """Waits for `event` (spinning on its query, as a blocking sync spins), calling `check()`
-    every `check_s` seconds."""
-    last = time.perf_counter()
+def _poll(event: torch.cuda.Event, check: Callable[[], None], check_s: float, spin_s: float = 1e-4,
+          sleep_s: float = 5e-5) -> None:
+    """Waits for `event`, calling `check()` every `check_s` seconds: queries it back to back for
+    `spin_s` (an event about to pass is seen at once), then every `sleep_s`, sleeping in between
+    with the GIL released (the server's event loop shares this process). Under async scheduling
+    the wait is for the step before the one in flight, so a wake-up late by a sleep delays only
+    host work that runs ahead of the GPU."""
+    start = last = time.perf_counter()
     while not event.query():
         now = time.perf_counter()
         if now - last >= check_s:
             check()
             last = now
-        os.sched_yield()
+        if now - start < spin_s:
+            os.sched_yield()
+        else:
+            time.sleep(sleep_s)
