@@ -6,6 +6,9 @@
 #
 #   bash scripts/dev_tp.sh [tests] [bench] [profile]   (default: tests bench, in that order)
 #
+# tests get 100 s and each bench half the rest; with cold compile caches that is tight: run
+# `bash scripts/dev_tp.sh tests` and `bash scripts/dev_tp.sh bench` as two runs if either is cut.
+#
 # profile (opt-in, best alone: `bash scripts/dev_tp.sh profile`): profile_host.py on the 8B at TP=2, batch 64, async and sync: host
 # time per step by phase (the ring write included) and the pipe-vs-ring transport on this host.
 set -uo pipefail
@@ -22,7 +25,7 @@ if ! ls compilelm/_C.cpython-"$tag"-*.so >/dev/null 2>&1; then
   echo "build: $(($(date +%s) - T0)) s"
 fi
 if [[ $stages == *" tests "* ]]; then
-  cap=95; [[ $stages == *" bench "* ]] || cap=$(left)
+  cap=100; [[ $stages == *" bench "* ]] || cap=$(left)
   timeout $cap python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_tensor_parallel_gpu.py -x \
     >"$OUT/tests_tp.log" 2>&1
   echo "tp tests: $(tail -1 "$OUT/tests_tp.log") ($(($(date +%s) - T0)) s)"
