@@ -3,10 +3,10 @@
 The tensor-parallel driver sends each step's inputs to the other ranks through it instead of
 pickling them down a pipe: a write is a memcpy into a slot and one store of its sequence number;
 a read waits for that number, then the bytes are there (docs/perf.md, "Tensor parallel host
-path"). Layout of the one segment (all int64, each counter on a cache line of its own):
+path"). Layout of the one segment (counters int64, each alone on a 64-byte cache line):
 
-    [slot seq: num_slots x 8][reader acks: num_readers x 8][slot nbytes: num_slots x 8]
-    [slot 0 payload: slot_bytes]...[slot num_slots-1 payload]
+    [seq of each slot: num_slots lines][ack of each reader: num_readers lines]
+    [nbytes of each slot: num_slots lines][slot 0 payload: slot_bytes]...[slot num_slots-1 payload]
 
 Message m (1, 2, ...) goes to slot m % num_slots. The writer waits until every reader has
 acknowledged message m - num_slots (the slot is free), writes the payload and its length, then
