@@ -60,6 +60,7 @@ class CompilelmEngine:
         overrides = {"num_hidden_layers": args.layers} if args.layers else {}
         self.llm = LLM(model, max_model_len=args.max_model_len, model_overrides=overrides,
                        enforce_eager=args.enforce_eager, seed=0, kv_cache_dtype=args.kv_cache_dtype,
+                       tensor_parallel_size=args.tensor_parallel_size,
                        **step_limits(args))
         self.vocab = self.llm.engine.model_config.vocab_size
         sched = self.llm.engine.config.scheduler
@@ -87,7 +88,8 @@ class VllmEngine:
         self.sp = SamplingParams
         self.llm = LLM(model=self.dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                        max_model_len=args.max_model_len, gpu_memory_utilization=0.85, seed=0,
-                       enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype, **step_limits(args))
+                       enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
+                       tensor_parallel_size=args.tensor_parallel_size, **step_limits(args))
         self.vocab = config["vocab_size"]
         sched = self.llm.llm_engine.vllm_config.scheduler_config
         self.limits = {"max_num_batched_tokens": sched.max_num_batched_tokens, "max_num_seqs": sched.max_num_seqs}
@@ -123,7 +125,7 @@ def measure(engine_name: str, model: str, args, started: float) -> dict:
     """Every measurement of one engine on one model (in this process)."""
     engine = (VllmEngine if engine_name == "vllm" else CompilelmEngine)(model, args)
     out = {"engine": engine_name, "model": model, "kv_cache_dtype": args.kv_cache_dtype,
-           "start_s": time.time() - started, **engine.limits}
+           "start_s": time.time() - started, **engine.limits, "tensor_parallel_size": args.tensor_parallel_size}
     vocab, seed = engine.vocab, iter(range(1000, 10**6))
     timed(engine, token_prompts(2, (8, 16), vocab, 0), [4, 4])  # warm-up (lazy init, first sizes)
     short, long_ = args.decode_steps
@@ -175,7 +177,7 @@ def ratios(rows: list[dict]) -> list[dict]:
         for metric in [k for k in ours if k not in ("engine", "model", "error", "kv_cache_dtype")]:
             a, b = ours[metric], peer.get(metric)
             lower_is_better = metric.startswith(("decode_ms", "start_s"))
-            settings = metric in ("max_num_batched_tokens", "max_num_seqs")  # what ran, not a result
+            settings = metric in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size")  # what ran
             adv = None if b is None or settings else (b / a if lower_is_better else a / b)
             table.append({"model": model, "metric": metric, "compilelm": a, "vllm": b, "compilelm_advantage": adv})
     return table
@@ -202,6 +204,7 @@ def parse(argv=None):
                     help="compilelm's prefill attention: the Triton kernel, or paged_attention's mma.sync one (A/B)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
                     help="both engines' KV cache: the model's dtype, or fp8 (e4m3, scales 1.0)")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="both engines' GPUs per model")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default=None)
     return ap.parse_args(argv)

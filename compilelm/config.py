@@ -59,7 +59,7 @@ class SchedulerConfig:
     max_model_len: int = 8192  # prompt + output tokens of one request
     enable_chunked_prefill: bool = True
     # Schedule and launch step N+1 before step N's sampled tokens reach the host (runtime/async_step.py).
-    # None = on where it helps (CUDA, tensor_parallel_size 1), off otherwise.
+    # None = on where it helps (CUDA, any tensor_parallel_size), off otherwise.
     async_scheduling: bool | None = None
 
     def __post_init__(self):

@@ -191,6 +191,120 @@ def test_tp2_equals_tp1_compiled(fuse, tmp_path):
     _assert_same(_generate(2, *QWEN3, compilation_config=cc), _generate(1, *QWEN3, enforce_eager=True))
 
 
+# -- async scheduling at tensor_parallel_size 2 -------------------------------------------------
+
+MIXED_PROMPTS = [list(range(100, 170)), [5, 6, 7], [1, 2, 3], list(range(60, 80)), [11, 12, 13, 14]]
+
+
+def _mixed_params():
+    """Greedy rows (with and without logprobs) and a seeded random one: its steps make rank 0
+    broadcast the sampled ids; all-greedy steps let every rank take its own argmax."""
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    return [greedy, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+            SamplingParams(n=2, temperature=1.0, top_p=0.9, seed=7, max_tokens=9, ignore_eos=True),
+            SamplingParams(max_tokens=6, temperature=0, logprobs=1, ignore_eos=True), greedy]
+
+
+def _run_engine(tp: int, async_scheduling: bool, prompts, params, **kw):
+    """Outputs (token ids of every completion) and, on the driver, each step's share mode and
+    number of pending rows; the engine's preemption count."""
+    from compilelm.llm import LLM
+    llm = LLM(f"dummy:{QWEN3[0]}", model_overrides=QWEN3[1], tensor_parallel_size=tp, enforce_eager=True,
+              async_scheduling=async_scheduling, **kw)
+    runner, steps = llm.engine.model_runner, []
+    prepare = runner.prepare_step
+
+    def spy(sched, *args, **kwargs):
+        step = prepare(sched, *args, **kwargs)
+        steps.append((step.share_sampled, 0 if step.pending_rows is None else len(step.pending_rows)))
+        return step
+    runner.prepare_step = spy
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [[c.token_ids for c in o.outputs] for o in outs], steps, llm.engine.scheduler.num_preemptions
+    finally:
+        llm.engine.shutdown()
+
+
+MIXED = dict(max_model_len=128, num_kv_blocks=64, max_num_batched_tokens=32)  # 70 tokens: chunked
+PREEMPT = dict(max_model_len=64, num_kv_blocks=7)  # 6 usable blocks of 16 for 4 x 54 tokens
+
+
+def test_tp2_async_matches_sync_and_tp1_mixed():
+    """Async TP=2 (chunked prefill, greedy + seeded random + logprobs) == sync TP=2 for every
+    token; its greedy requests == TP=1's. Both ways of sharing the sampled ids ran, with pending
+    rows (rows whose input id was still on the device)."""
+    params = _mixed_params()
+    asyn, steps, _ = _run_engine(2, True, MIXED_PROMPTS, params, **MIXED)
+    sync, sync_steps, _ = _run_engine(2, False, MIXED_PROMPTS, params, **MIXED)
+    ref, _, _ = _run_engine(1, False, MIXED_PROMPTS, params, **MIXED)
+    assert asyn == sync
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    assert [asyn[i] for i in greedy] == [ref[i] for i in greedy]
+    modes = {mode for mode, pending in steps if pending}
+    assert modes == {"argmax", "broadcast"}, steps
+    assert all(mode is None and pending == 0 for mode, pending in sync_steps)
+
+
+def test_tp2_async_matches_tp1_with_preemption():
+    prompts = [list(range(10 * i, 10 * i + 14)) for i in range(4)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    asyn, steps, preempted = _run_engine(2, True, prompts, params, **PREEMPT)
+    ref, _, _ = _run_engine(1, False, prompts, params, **PREEMPT)
+    assert preempted > 0
+    assert asyn == ref
+    assert any(pending for _, pending in steps)
+
+
+def test_tp2_async_structured_outputs_match_sync():
+    """Constrained rows under async TP=2 (the grammar path: forward launched, the previous step's
+    tokens accepted, then masks + sampling, ids broadcast to rank 1) == sync TP=2."""
+    import json
+
+    from compilelm.llm import LLM
+    from compilelm.sampling_params import StructuredOutputsParams as S
+    schema = {"type": "object", "additionalProperties": False, "required": ["n"],
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}}}
+    params = [SamplingParams(max_tokens=24, temperature=0, structured_outputs=S(json=schema)),
+              SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0, structured_outputs=S(regex="[ab]{3,6}"))]
+    results = []
+    for async_scheduling in (True, False):
+        llm = LLM("dummy:smollm2-135m", tensor_parallel_size=2, enforce_eager=True, async_scheduling=async_scheduling,
+                  model_overrides={"num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+                                   "head_dim": 64}, max_model_len=128, num_kv_blocks=64)
+        try:
+            outs = llm.generate([[1, 2, 3], [4, 5], [6, 7, 8, 9]], params, use_tqdm=False)
+            results.append([(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs])
+        finally:
+            llm.engine.shutdown()
+    assert results[0] == results[1]
+    (_, text, reason), _, (_, regex_text, _) = results[0]
+    if reason == "stop":  # (a random model may spend its 24 tokens on the whitespace JSON allows)
+        assert 0 <= json.loads(text)["n"] <= 999
+    assert 3 <= len(regex_text) <= 6 and set(regex_text) <= {"a", "b"}
+
+
+def test_rank_that_exits_mid_generation_is_an_error_at_the_driver():
+    """A rank killed between steps: the next step raises at the driver (no hang)."""
+    import time
+
+    from compilelm.llm import LLM
+    llm = LLM(f"dummy:{QWEN3[0]}", model_overrides=QWEN3[1], tensor_parallel_size=2, enforce_eager=True,
+              async_scheduling=True, max_model_len=128, num_kv_blocks=64)
+    try:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+        proc = llm.engine.executor.procs[0]
+        proc.kill()
+        proc.join(timeout=30)
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError, match="rank 1"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)
+        assert time.perf_counter() - t0 < 60
+    finally:
+        llm.engine.shutdown()
+
+
 def test_tp2_compile_reports_one_fusion_per_norm(tmp_path):
     """`compilelm compile -tp 2`'s path: every rank compiles; the all-reduce fusion matches every
     norm that follows an all-reduce: 2 per layer (the first layer's input norm follows the
@@ -232,12 +346,12 @@ def test_failed_rank_reports_then_leaves_the_group_with_the_driver():
     config = make_engine_config("dummy:qwen3-0.6b", model_overrides=QWEN3[1], tensor_parallel_size=2,
                                 max_model_len=128, enforce_eager=True)
     executor = Executor(config)
-    proc, conn = executor.procs[0], executor.conns[0]
+    proc = executor.procs[0]
     try:
-        conn.send(("no_such_method", (), True))
+        executor.broadcast.send_call("no_such_method", (), True)
         with pytest.raises(RuntimeError, match="(?s)rank 1 failed:.*no_such_method"):
             executor._reply(1)
-        conn.send(("num_kv_blocks", (), True))
+        executor.broadcast.send_call("num_kv_blocks", (), True)
         with pytest.raises(RuntimeError, match="failed earlier"):
             executor._reply(1)
         assert proc.is_alive()  # still in the group, waiting for the driver's shutdown
@@ -245,6 +359,83 @@ def test_failed_rank_reports_then_leaves_the_group_with_the_driver():
         executor.shutdown()
     proc.join(timeout=30)
     assert proc.exitcode == 0
+
+
+def test_rank_that_raises_in_a_step_is_an_error_at_the_driver():
+    """Rank 1 fails inside a step before its collectives while the driver runs the step: the
+    driver's collective fails (the rank left the gloo group) and the rank's traceback is raised,
+    long before the group's timeout."""
+    import time
+
+    import numpy as np
+
+    from compilelm.graphs.step_inputs import HostBatch
+    from compilelm.llm import make_engine_config
+    from compilelm.runtime.executor import Executor
+    from compilelm.runtime.model_runner import StepInputs
+    config = make_engine_config("dummy:qwen3-0.6b", model_overrides=QWEN3[1], tensor_parallel_size=2,
+                                max_model_len=128, enforce_eager=True)
+    executor = Executor(config)
+    try:
+        executor.init_model_runner(16)
+        runner = executor.model_runner
+        one = np.ones(1, np.int64)  # one token, one sequence
+        batch = HostBatch(one * 5, one * 0, one * 16, np.array([0, 1], np.int32), np.ones(1, np.int32),
+                          np.ones((1, 1), np.int32), one * 0, 1)
+        executor.broadcast.send_call("run_step", (None,), False)  # rank 1: AttributeError at once
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError, match="(?s)rank 1 failed:.*AttributeError"):
+            try:
+                runner.run_step(StepInputs(batch, "none", None, 1))  # waits in a collective
+            finally:
+                executor._check_failures()
+        assert time.perf_counter() - t0 < 60
+    finally:
+        executor.shutdown()
+
+
+_ORPHAN_DRIVER = """
+import sys, time
+from compilelm.llm import make_engine_config
+from compilelm.runtime.executor import Executor
+if __name__ == "__main__":
+    config = make_engine_config("dummy:qwen3-0.6b", model_overrides={overrides!r}, tensor_parallel_size=2,
+                                max_model_len=128, enforce_eager=True)
+    executor = Executor(config)
+    print(executor.procs[0].pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_ranks_exit_when_the_driver_is_killed(tmp_path):
+    """A driver killed with SIGKILL runs no cleanup: its ranks, waiting for the next command in
+    the ring, notice that it is gone and exit instead of polling forever."""
+    import os
+    import subprocess
+    import sys
+    import time
+    script = tmp_path / "driver.py"
+    script.write_text(_ORPHAN_DRIVER.format(overrides=QWEN3[1]))
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        rank_pid = int(driver.stdout.readline())
+        driver.kill()
+        driver.wait(timeout=30)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                with open(f"/proc/{rank_pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] in "ZX":  # exited, not yet reaped
+                        break
+            except FileNotFoundError:
+                break
+            time.sleep(0.2)
+        else:
+            os.kill(rank_pid, 9)
+            raise AssertionError("the rank outlived its driver by 60 s")
+    finally:
+        if driver.poll() is None:
+            driver.kill()
 
 
 def test_release_graphs_drops_every_graph_and_steps_run_eagerly():

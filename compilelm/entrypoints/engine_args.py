@@ -63,7 +63,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                         "checkpoint, else 1.0: twice the tokens in the same memory); fp8_e5m2 is refused")
     g.add_argument("--disable-log-stats", action="store_true", help="serve: no periodic stats line")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule step N+1 while the GPU runs step N (default: on for CUDA with one rank)")
+                   help="schedule step N+1 while the GPU runs step N (default: on for CUDA)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over N ranks, one process each (gloo on CPU, NCCL on GPU)")
     g.add_argument("--custom-all-reduce-min-bytes", type=int, default=None, metavar="BYTES",

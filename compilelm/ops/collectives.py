@@ -106,3 +106,11 @@ def tensor_model_parallel_all_gather(x: Tensor, dim: int = -1) -> Tensor:
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x)
     return torch.cat(parts, dim=dim)
+
+
+def tensor_model_parallel_broadcast(x: Tensor, src: int = 0) -> Tensor:
+    """Every rank's `x` (contiguous, the same shape and dtype on every rank) takes rank `src`'s
+    values, in place; on CUDA queued on the stream (the host does not wait)."""
+    if get_tp_size() > 1:
+        dist.broadcast(x, src)
+    return x

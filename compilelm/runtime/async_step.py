@@ -1,7 +1,7 @@
 """Async scheduling: the host prepares step N+1 while the GPU runs step N.
 
 A synchronous step leaves the GPU idle while the host schedules, prepares inputs, waits for the
-sampled tokens and detokenizes. With async scheduling (tensor_parallel_size 1) `LLMEngine.step()`
+sampled tokens and detokenizes. With async scheduling (any tensor_parallel_size) `LLMEngine.step()`
 instead
   1. schedules step N+1 before step N's tokens are on the host: a request sampled in step N has a
      placeholder (`Request.num_output_placeholders`) and is scheduled as a decode of it (KV slot
@@ -19,10 +19,18 @@ max_tokens / max_model_len are not scheduled again (no wasted step).
 Sampling that reads host state of the latest token (`needs_host_state`) cannot run ahead: when a
 request with a token in flight needs it, the engine first processes step N, then schedules N+1
 (a synchronous step). On CPU the same code runs with no copies or events.
+
+Under tensor parallelism only rank 0 schedules and samples; the other ranks get each step's
+inputs from the executor (runtime/step_broadcast.py) and keep each step's sampled ids on their
+device for the next step's pending rows (`ModelRunner.receive_sampled`): the pending rows and
+their sources in the previous step's output are part of the step's inputs, computed by rank 0.
 """
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,10 +50,16 @@ def needs_host_state(request: Request) -> bool:
 
 
 class AsyncStepOutput:
-    """A launched step: its StepOutput, whose sampler output is filled in by `get()`."""
+    """A launched step: its StepOutput, whose sampler output is filled in by `get()`. `check`
+    (tensor parallel): raises when another rank failed or exited; `get()` then polls the step's
+    event (`_poll`) and calls it every CHECK_S instead of blocking, so that a collective that
+    will never complete (its peer is gone) is an error, not a hang."""
 
-    def __init__(self, out: StepOutput, sampled: SampledTensors | None = None):
-        self.out = out
+    CHECK_S = 0.01
+
+    def __init__(self, out: StepOutput, sampled: SampledTensors | None = None,
+                 check: Callable[[], None] | None = None):
+        self.out, self.check = out, check
         self.host, self.ready = None, None
         if sampled is not None:
             self.host = sampled.to_host_async()  # pinned copies queued behind the step (CPU: as is)
@@ -57,7 +71,29 @@ class AsyncStepOutput:
         """Waits for the step's sampled tokens (only now) and returns the finished StepOutput."""
         if self.host is not None:
             if self.ready is not None:
-                self.ready.synchronize()
+                if self.check is None:
+                    self.ready.synchronize()
+                else:
+                    _poll(self.ready, self.check, self.CHECK_S)
             self.out.sampler_output = self.host.to_output()
             self.host = None
         return self.out
+
+
+def _poll(event: torch.cuda.Event, check: Callable[[], None], check_s: float, spin_s: float = 1e-4,
+          sleep_s: float = 5e-5) -> None:
+    """Waits for `event`, calling `check()` every `check_s` seconds: queries it back to back for
+    `spin_s` (an event about to pass is seen at once), then every `sleep_s`, sleeping in between
+    with the GIL released (the server's event loop shares this process). Under async scheduling
+    the wait is for the step before the one in flight, so a wake-up late by a sleep delays only
+    host work that runs ahead of the GPU."""
+    start = last = time.perf_counter()
+    while not event.query():
+        now = time.perf_counter()
+        if now - last >= check_s:
+            check()
+            last = now
+        if now - start < spin_s:
+            os.sched_yield()
+        else:
+            time.sleep(sleep_s)

@@ -106,11 +106,8 @@ class LLMEngine:
                         sched.max_num_batched_tokens, max_len)
             sched = replace(sched, max_num_batched_tokens=max_len)
         async_scheduling = sched.async_scheduling
-        if async_scheduling is None:  # on where the host's work can hide behind the GPU's
-            async_scheduling = config.torch_device().type == "cuda" and config.tensor_parallel_size == 1
-        elif async_scheduling and config.tensor_parallel_size > 1:
-            raise ValueError("async_scheduling needs tensor_parallel_size == 1 "
-                             f"(got {config.tensor_parallel_size})")
+        if async_scheduling is None:  # on where the host's work can hide behind the GPU's (any TP size)
+            async_scheduling = config.torch_device().type == "cuda"
         self.async_scheduling = async_scheduling
         self.config = config = replace(config, max_model_len=max_len, scheduler=replace(
             sched, max_model_len=max_len, async_scheduling=async_scheduling))

@@ -2,10 +2,15 @@
 
 This process is rank 0, the driver: it owns the scheduler (in the engine) and samples. For
 tp > 1 the executor spawns ranks 1..tp-1 (`worker_main`), each building its shard of the model.
-Every step the driver sends the step's host arrays (`StepInputs`) down a pipe to each rank and
-then runs the same forward itself; the collectives inside the forward (all-reduce after each
-row-parallel linear, all-gather of the vocab-parallel logits) keep the ranks in lock step. Only
-the driver gets logits back. A rank that fails sends its traceback, which the driver raises.
+Every step the driver writes the step's host arrays (`StepInputs`) into a shared-memory ring that
+every rank reads (runtime/step_broadcast.py; calls and shutdown are pickled down each rank's pipe,
+in order with the steps) and then runs the same forward itself; the collectives inside the
+forward (all-reduce after each row-parallel linear, all-gather of the vocab-parallel logits) keep
+the ranks in lock step. Only the driver gets logits back and samples. With async scheduling the
+driver returns as soon as the step is launched; the ranks keep its sampled ids on their devices
+(`ModelRunner.receive_sampled`). A rank that fails sends its traceback up its pipe, which the
+driver raises (checked after each step, while waiting for a ring slot and for sampled ids); a
+rank that exits is an error too.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import weakref
 
 from compilelm.config import EngineConfig
 from compilelm.distributed.parallel_state import destroy_distributed
+from compilelm.distributed.shm_ring import ShmRing
 from compilelm.runtime.async_step import AsyncStepOutput
-from compilelm.runtime.model_runner import StepOutput
+from compilelm.runtime.model_runner import StepInputs, StepOutput
 from compilelm.runtime.scheduler import SchedulerOutput
+from compilelm.runtime.step_broadcast import StepBroadcast, slot_bytes_for
 from compilelm.runtime.worker import Worker, worker_main
 
 logger = logging.getLogger(__name__)
@@ -37,9 +44,19 @@ class Executor:
         self.procs, self.conns = [], []
         init_method = f"tcp://127.0.0.1:{_free_port()}" if tp > 1 else None
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked CUDA or threads
+        self.broadcast = None
+        # Steps get no reply: a rank that sent something has failed (or exited). Raises then.
+        self._check_failures = _rank_check(self.procs, self.conns)
+        if tp > 1:
+            sched, slot_bytes = config.scheduler, 1 << 20  # (no scheduler: `compile`, which runs no step)
+            if sched is not None and config.max_model_len:
+                slot_bytes = slot_bytes_for(sched.max_num_batched_tokens, sched.max_num_seqs,
+                                            -(-config.max_model_len // config.cache.block_size))
+            ring = ShmRing.create(tp - 1, num_slots=4, slot_bytes=slot_bytes)
+            self.broadcast = StepBroadcast(ring, self.conns, self._check_failures)
         for rank in range(1, tp):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(config, rank, init_method, child),
+            proc = ctx.Process(target=worker_main, args=(config, rank, init_method, child, ring.handle),
                                name=f"compilelm-tp-rank{rank}")
             proc.start()
             child.close()
@@ -47,7 +64,7 @@ class Executor:
             self.conns.append(parent)
         # Stops the ranks when this executor is collected or at exit (holds no reference to self:
         # an engine dropped by its user frees its model and KV cache).
-        self._finalizer = weakref.finalize(self, _stop_ranks, self.procs, self.conns)
+        self._finalizer = weakref.finalize(self, _stop_ranks, self.procs, self.conns, self.broadcast)
         try:
             self._wait_started()
             self.driver = Worker(config, 0, init_method)  # joins the group once every rank is up
@@ -62,8 +79,8 @@ class Executor:
 
     def collective_rpc(self, method: str, *args) -> list:
         """Runs `Worker.<method>(*args)` on every rank; returns the results in rank order."""
-        for conn in self.conns:
-            conn.send((method, args, True))
+        if self.broadcast is not None:
+            self.broadcast.send_call(method, args, True)
         result = getattr(self.driver, method)(*args)
         return [result, *self._replies()]
 
@@ -92,12 +109,6 @@ class Executor:
                         "`if __name__ == '__main__':` (ranks are spawned)")
         self._replies()
 
-    def _check_failures(self) -> None:
-        """Steps get no reply: a rank that sent something has failed (or exited)."""
-        for rank, conn in enumerate(self.conns, start=1):
-            if conn.poll():
-                self._reply(rank)  # raises with the rank's traceback
-
     # -- the engine's interface --------------------------------------------------------------------
 
     def num_kv_blocks(self) -> int:
@@ -112,31 +123,37 @@ class Executor:
 
     def execute_model(self, sched: SchedulerOutput) -> StepOutput:
         runner = self.driver.model_runner
-        if not self.conns:
+        if self.broadcast is None:
             return runner.execute_model(sched)
         step = runner.prepare_step(sched)
-        for conn in self.conns:
-            conn.send(("run_step", (step,), False))
-        try:
-            logits = runner.run_step(step)
-        finally:
-            self._check_failures()
+        logits = self._run_step(step)
         return runner.make_output(sched, step, logits)
 
+    def _run_step(self, step: StepInputs):
+        """Every rank runs `step`: the others from the ring, then this one; its logits."""
+        self.broadcast.send_step(step)
+        try:
+            return self.driver.model_runner.run_step(step)
+        finally:
+            self._check_failures()
+
     def execute_model_async(self, sched: SchedulerOutput) -> AsyncStepOutput:
-        """Launches the step without waiting for its tokens (async scheduling: one rank only)."""
-        if self.conns:
-            raise RuntimeError("async scheduling needs tensor_parallel_size == 1")
-        return self.driver.model_runner.execute_model_async(sched)
+        """Launches the step without waiting for its tokens (async scheduling)."""
+        if self.broadcast is None:
+            return self.driver.model_runner.execute_model_async(sched)
+        return self.sample_async(sched, *self.launch_forward(sched))
 
     def launch_forward(self, sched: SchedulerOutput):
-        """ModelRunner.launch_forward (async scheduling: one rank only)."""
-        if self.conns:
-            raise RuntimeError("async scheduling needs tensor_parallel_size == 1")
-        return self.driver.model_runner.launch_forward(sched)
+        """ModelRunner.launch_forward on every rank; (rank 0's StepInputs, its logits)."""
+        runner = self.driver.model_runner
+        if self.broadcast is None:
+            return runner.launch_forward(sched)
+        step = runner.prepare_step(sched, share_sampled=True)
+        return step, self._run_step(step)
 
     def sample_async(self, sched: SchedulerOutput, step, logits, masks=None) -> AsyncStepOutput:
-        return self.driver.model_runner.sample_async(sched, step, logits, masks)
+        check = None if self.broadcast is None else self._check_failures
+        return self.driver.model_runner.sample_async(sched, step, logits, masks, check)
 
     def shutdown(self) -> None:
         if self.conns and getattr(self, "driver", None) is not None:
@@ -144,15 +161,41 @@ class Executor:
         self._finalizer()
 
 
-def _stop_ranks(procs: list, conns: list) -> None:
+def _rank_check(procs: list, conns: list):
+    """A function that raises when a rank has failed (its traceback is waiting on its pipe) or
+    exited. Between calls that want a reply, a rank sends nothing unless it failed."""
+    def check() -> None:
+        for rank, (proc, conn) in enumerate(zip(procs, conns), start=1):
+            if conn.poll():
+                try:
+                    status, value = conn.recv()
+                except EOFError:
+                    raise RuntimeError(f"tensor-parallel rank {rank} exited (exit code {proc.exitcode})") from None
+                if status == "error":
+                    raise RuntimeError(f"tensor-parallel rank {rank} failed:\n{value}")
+                raise RuntimeError(f"tensor-parallel rank {rank} sent an unexpected reply")
+            if not proc.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} exited (exit code {proc.exitcode})")
+    return check
+
+
+def _exited_check(procs: list):
+    def check() -> None:
+        if not all(proc.is_alive() for proc in procs):
+            raise RuntimeError("a tensor-parallel rank exited")
+    return check
+
+
+def _stop_ranks(procs: list, conns: list, broadcast: StepBroadcast | None) -> None:
     if not procs:  # one rank: no processes, no process group
+        if broadcast is not None:
+            broadcast.close()
         return
     all_alive = all(proc.is_alive() for proc in procs)
-    for conn in conns:
-        try:
-            conn.send(("shutdown", (), False))
-        except OSError:
-            pass
+    try:  # (a failed rank waits for this message: only an exited one makes the send give up)
+        broadcast.send_call("shutdown", (), False, check=_exited_check(procs))
+    except (OSError, RuntimeError):  # a rank is gone: it needs no message
+        pass
     # every rank leaves the group now, together (NCCL's teardown may wait for its peers); with a
     # rank already gone, this one aborts alone
     destroy_distributed(abort=not all_alive)
@@ -165,3 +208,4 @@ def _stop_ranks(procs: list, conns: list) -> None:
         conn.close()
     procs.clear()
     conns.clear()
+    broadcast.close()

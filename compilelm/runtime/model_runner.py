@@ -9,9 +9,10 @@ A step has three parts, so that tensor-parallel ranks can share the middle one:
 and the logits of the rows that need them; under TP the forward's all-reduces and the LM head's
 all-gather are collectives), `make_output` (driver: sampling and prompt logprobs).
 
-With async scheduling (`execute_model_async`, one rank) a step is launched before the previous
-step's sampled tokens reach the host: the rows that decode such a pending token take their input
-id from the previous step's sampled-token tensor on the device (`StepInputs.pending_rows`).
+With async scheduling (`execute_model_async`) a step is launched before the previous step's
+sampled tokens reach the host: the rows that decode such a pending token take their input id from
+the previous step's sampled-token tensor on the device (`StepInputs.pending_rows`). Under TP the
+other ranks keep that tensor too (`receive_sampled`, as `StepInputs.share_sampled` says).
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ from compilelm.graphs.cudagraph.piecewise import PiecewiseGraphs
 from compilelm.graphs.step_inputs import HostBatch, InputBuffers
 from compilelm.layers.attention import kv_cache_scales
 from compilelm.ops import prefill_attention, token_bitmask
+from compilelm.ops.collectives import tensor_model_parallel_broadcast
 from compilelm.runtime.async_step import AsyncStepOutput
 from compilelm.runtime.memory import engine_graph_sizes, graph_memory_estimate
-from compilelm.runtime.sampler import SampledTensors, Sampler, SamplerOutput, gather_logprobs
+from compilelm.runtime.sampler import SampledTensors, Sampler, SamplerOutput, argmax_rows, gather_logprobs
 from compilelm.runtime.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,11 @@ class StepInputs:
     # scheduling): input_ids[pending_rows[i]] = previous sampled[pending_src[i]].
     pending_rows: np.ndarray | None = None  # int64 [num_pending]
     pending_src: np.ndarray | None = None  # int64 [num_pending]
+    # Async scheduling under TP: how the other ranks get this step's sampled ids on their device
+    # (the next step's pending rows read them): "argmax" (every sampled request is plain greedy:
+    # each rank takes the argmax of its logits, identical on every rank after the all-gather),
+    # "broadcast" (rank 0 broadcasts what it sampled), None (they are not needed).
+    share_sampled: str | None = None
 
 
 @dataclass
@@ -166,11 +173,12 @@ class ModelRunner:
                     c.inductor_compiles, c.artifacts_loaded, compilation.cache_dir or default_cache_dir())
         return fn
 
-    def prepare_step(self, sched: SchedulerOutput) -> StepInputs:
+    def prepare_step(self, sched: SchedulerOutput, share_sampled: bool = False) -> StepInputs:
         """The plan as flat host arrays: every scheduled token of every request, and the rows whose
         logits are needed (the last row of each sampled request, then prompt-logprob rows). One
         Python pass gathers each request's scalars, ids and block table; positions and slots are
-        then computed for all tokens at once (this runs on the host every step)."""
+        then computed for all tokens at once (this runs on the host every step). `share_sampled`:
+        the other TP ranks will need this step's sampled ids (async scheduling)."""
         scheduled, bs = sched.scheduled, self.block_size
         num_reqs = len(scheduled)
         starts = np.fromiter((sr.num_computed_tokens for sr in scheduled), np.int64, num_reqs)
@@ -204,6 +212,9 @@ class ModelRunner:
                           np.concatenate([sample_idx, *prompt_rows]), int(lens.max()))
         graph_mode, graph_size = self.dispatcher.dispatch(len(batch.input_ids), num_reqs)
         step = StepInputs(batch, graph_mode, graph_size, len(sample_idx))
+        if share_sampled and len(sample_idx):
+            greedy = all(sr.request.plain_greedy for sr in scheduled if sr.do_sample)
+            step.share_sampled = "argmax" if greedy else "broadcast"
         if pending_rows:
             step.pending_rows = cu[1:][pending_rows] - 1
             step.pending_src = np.asarray(pending_src, dtype=np.int64)
@@ -313,8 +324,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model_async(self, sched: SchedulerOutput) -> AsyncStepOutput:
-        """Launches one step (tensor_parallel_size 1) and returns before its sampled tokens reach
-        the host: they are copied to pinned memory behind the step, and `AsyncStepOutput.get()`
+        """Launches one step (on this rank alone) and returns before its sampled tokens reach the
+        host: they are copied to pinned memory behind the step, and `AsyncStepOutput.get()`
         waits for them. Prompt logprobs (rare) are still gathered synchronously."""
         return self.sample_async(sched, *self.launch_forward(sched))
 
@@ -346,13 +357,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample_async(self, sched: SchedulerOutput, step: StepInputs, logits: torch.Tensor | None,
-                     masks: GrammarMasks | None = None) -> AsyncStepOutput:
+                     masks: GrammarMasks | None = None, check=None) -> AsyncStepOutput:
         """The second half: sampling on the device, its ids copied back without waiting. `masks`:
-        `start_masks(sched)`, started by the engine while it processed the previous step."""
+        `start_masks(sched)`, started by the engine while it processed the previous step; `check`:
+        see AsyncStepOutput."""
         out, sampled = self._sample(sched, step, logits, masks)
+        if step.share_sampled == "broadcast" and sampled is not None:
+            sampled.token_ids = sampled.token_ids.contiguous()
+            tensor_model_parallel_broadcast(sampled.token_ids)  # to receive_sampled on the other ranks
         self.last_sampled = None if sampled is None else (
             sampled.token_ids, {r.request_id: i for i, r in enumerate(out.sampled)})
-        return AsyncStepOutput(out, sampled)
+        return AsyncStepOutput(out, sampled, check)
+
+    @torch.inference_mode()
+    def receive_sampled(self, step: StepInputs, logits: torch.Tensor | None) -> None:
+        """A TP rank > 0 after `run_step` under async scheduling: this step's sampled ids (int64
+        [num_sampled], on this rank's device) become `last_sampled`, as rank 0's `sample_async`
+        left them there: the argmax of the sampled rows' logits (plain greedy: the same kernel on
+        the same all-gathered logits as rank 0's sampler) or rank 0's broadcast."""
+        n = step.num_sampled
+        if step.share_sampled is None or n == 0 or logits is None:
+            self.last_sampled = None
+            return
+        if step.share_sampled == "argmax":
+            ids = self.greedy_ids[:n] if self.greedy_ids is not None else argmax_rows(logits[:n])
+        else:
+            ids = torch.empty(n, dtype=torch.int64, device=self.device)
+            tensor_model_parallel_broadcast(ids)
+        self.last_sampled = (ids, None)
 
     @torch.inference_mode()
     def make_output(self, sched: SchedulerOutput, step: StepInputs, logits: torch.Tensor | None) -> StepOutput:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import multiprocessing
 import os
 import threading
 import traceback
@@ -15,11 +16,13 @@ import torch
 
 from compilelm.config import EngineConfig
 from compilelm.distributed.parallel_state import destroy_distributed, init_distributed
+from compilelm.distributed.shm_ring import RingHandle
 from compilelm.models.loader import build_model, load_model_config, resolve_model
 from compilelm.models.registry import get_model_class
 from compilelm.ops.device_check import check_cuda_device
 from compilelm.runtime import memory
 from compilelm.runtime.model_runner import ModelRunner, StepInputs
+from compilelm.runtime.step_broadcast import StepReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +80,11 @@ class Worker:
             self.model_runner.release_graphs()
 
     def run_step(self, step: StepInputs) -> None:
-        self.model_runner.run_step(step)  # the logits live on the driver: nothing to return
+        """A rank > 0's part of a step (the logits live on the driver: nothing to return); under
+        async scheduling it keeps the step's sampled ids for the next step's pending rows."""
+        logits = self.model_runner.run_step(step)
+        if step.share_sampled is not None:
+            self.model_runner.receive_sampled(step, logits)
 
     def compile_model(self, profile: list | None = None) -> dict:
         """`compilelm compile`: compile this rank's model without serving; the dump report's data.
@@ -111,17 +118,20 @@ def _prime_compiler() -> None:
         logger.debug("priming the compiler failed", exc_info=True)
 
 
-def worker_main(config: EngineConfig, rank: int, init_method: str, conn) -> None:
+def worker_main(config: EngineConfig, rank: int, init_method: str, conn, ring: RingHandle) -> None:
     """A rank > 0 process: build the Worker, then run what the driver sends until it goes away.
-    Messages: (method, args, want_reply); replies: ("ok", result) or ("error", traceback)."""
+    Commands come in order from the step ring (runtime/step_broadcast.py), as (method, args,
+    want_reply); replies go up `conn`: ("ok", result) or ("error", traceback)."""
     abort = False  # leave the group alone (the driver is gone) instead of with the driver
-    worker = None
+    worker = receiver = None
     try:
         conn.send(("ok", None))  # started: the driver may now wait in the rendezvous
+        receiver = StepReceiver(ring, rank - 1, conn, _driver_alive_check(),
+                                spin_s=0.05 if config.torch_device().type == "cuda" else 0.001)
         worker = Worker(config, rank, init_method)
         conn.send(("ok", None))
         while True:
-            method, args, want_reply = conn.recv()
+            method, args, want_reply = receiver.recv()
             if method == "shutdown":
                 break
             result = getattr(worker, method)(*args)
@@ -132,21 +142,38 @@ def worker_main(config: EngineConfig, rank: int, init_method: str, conn) -> None
     except BaseException:
         try:
             conn.send(("error", traceback.format_exc()))
-            abort = not _await_shutdown(conn)
+            if worker is not None and worker.device.type == "cpu":
+                # gloo: leaving now closes this rank's connections, so a collective the driver is
+                # waiting in fails at once instead of at the group's timeout (an NCCL driver
+                # notices while it polls for the step's sampled ids)
+                destroy_distributed()
+            abort = receiver is None or not _await_shutdown(receiver, conn)
         except OSError:
             abort = True
     finally:
         if worker is not None:
             worker.release_graphs()
         destroy_distributed(abort=abort)
+        if receiver is not None:
+            receiver.close()
 
 
-def _await_shutdown(conn) -> bool:
+def _driver_alive_check():
+    """Raises EOFError once the driver's process is gone (a rank waiting for commands exits)."""
+    parent = multiprocessing.parent_process()
+
+    def check() -> None:
+        if parent is not None and not parent.is_alive():
+            raise EOFError("the tensor-parallel driver exited")
+    return check
+
+
+def _await_shutdown(receiver: StepReceiver, conn) -> bool:
     """After a failure: answer every call with an error until the driver's shutdown (True: the
     driver tears the group down with us) or its exit (False)."""
     try:
         while True:
-            method, _, want_reply = conn.recv()
+            method, _, want_reply = receiver.recv()
             if method == "shutdown":
                 return True
             if want_reply:
