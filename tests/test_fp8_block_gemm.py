@@ -4,9 +4,6 @@ Triton kernel run by Triton's CPU interpreter against the reference (ragged M, N
 several tile shapes). As in test_prefill_attention.py, the interpreted tests run in a child
 pytest started with TRITON_INTERPRET=1 (Triton decides at import)."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,8 +11,8 @@ import torch
 import compilelm.ops  # noqa: F401  (registers the ops)
 from compilelm.ops.fp8_block_gemm import fp8_block_linear_ref
 from compilelm.ops.quant import quant_fp8_per_token_group_ref
+from tests.triton_interpreter import INTERPRETED, run_interpreted
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 FP8 = torch.float8_e4m3fn
 
 
@@ -65,11 +62,7 @@ if not INTERPRETED:
 
     def test_kernel_under_the_triton_interpreter():
         pytest.importorskip("triton", minversion="3.7")
-        child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                               env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-                               timeout=900)
-        assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
-        assert " passed" in child.stdout and " skipped" not in child.stdout, child.stdout[-2000:]
+        run_interpreted(__file__)
 else:
     @pytest.mark.parametrize("m,n,k,bn,bk,bias,config", [
         (5, 256, 256, 128, 128, False, (16, 64, 4, 1)),  # decode-like rows

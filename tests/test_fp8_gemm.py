@@ -6,9 +6,6 @@ interpreted tests run in a child pytest started with TRITON_INTERPRET=1 (Triton 
 The CUDA kernels are tested against the same reference in tests/gpu/test_fp8_gemm_gpu.py."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,8 +13,8 @@ import torch
 import compilelm.ops  # noqa: F401  (registers the ops)
 from compilelm.ops.fp8_gemm import fp8_linear_ref, fp8_quant_linear_ref
 from compilelm.ops.quant import quant_fp8_per_token_ref
+from tests.triton_interpreter import INTERPRETED, run_interpreted
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 FP8 = torch.float8_e4m3fn
 
 
@@ -157,11 +154,7 @@ if not INTERPRETED:
 
     def test_kernel_under_the_triton_interpreter():
         pytest.importorskip("triton", minversion="3.7")
-        child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                               env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-                               timeout=900)
-        assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
-        assert " passed" in child.stdout and " skipped" not in child.stdout, child.stdout[-2000:]
+        run_interpreted(__file__)
 else:
     @pytest.mark.parametrize("m,n,k,bias,per_tensor", [
         (1, 64, 256, False, False),  # one row

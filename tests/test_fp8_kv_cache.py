@@ -58,7 +58,11 @@ def test_reshape_and_cache_quantizes_like_the_reference(dtype, scales):
     assert (_codes(flat[slots[slots >= 0]]) != 0).any() and (_codes(flat[:16]) == 0).all()  # skipped / untouched
 
 
-def _batch(q_lens, contexts, heads, kv_heads, d, page, dtype, seed=0):
+def kv_batch(q_lens, contexts, heads, kv_heads, d, page=16, dtype=torch.float32, seed=0, scales=(0.1, 0.02),
+             device="cpu", pad=2):
+    """A step's attention inputs over an fp8 cache: (q, key cache, value cache, cu_seqlens_q,
+    seq_lens, block tables), `pad` padding query rows, pages in a shuffled order; the caches and
+    queries drawn on `device` (the GPU tests' large contexts)."""
     g = torch.Generator().manual_seed(seed)
     seq_lens = [q + c for q, c in zip(q_lens, contexts)]
     blocks = [-(-s // page) for s in seq_lens]
@@ -69,18 +73,19 @@ def _batch(q_lens, contexts, heads, kv_heads, d, page, dtype, seed=0):
         tables[r, :nb] = perm[i:i + nb]
         i += nb
     num_blocks = int(perm.max()) + 1
-    kc = quantize_kv(torch.randn(num_blocks, page, kv_heads, d, generator=g) * 3, FP8, 0.1)
-    vc = quantize_kv(torch.randn(num_blocks, page, kv_heads, d, generator=g), FP8, 0.02)
-    q = torch.randn(sum(q_lens) + 2, heads, d, generator=g).to(dtype)
+    gd = g if torch.device(device).type == "cpu" else torch.Generator(device=device).manual_seed(seed)
+    kc = quantize_kv(torch.randn(num_blocks, page, kv_heads, d, generator=gd, device=device) * 3, FP8, scales[0])
+    vc = quantize_kv(torch.randn(num_blocks, page, kv_heads, d, generator=gd, device=device), FP8, scales[1])
+    q = torch.randn(sum(q_lens) + pad, heads, d, generator=gd, device=device).to(dtype)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    return q, kc, vc, cu, torch.tensor(seq_lens, dtype=torch.int32), tables
+    return q, kc, vc, *(t.to(device) for t in (cu, torch.tensor(seq_lens, dtype=torch.int32), tables))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (8, 1)])
 def test_paged_attention_reads_the_fp8_cache_as_the_reference(dtype, heads, kv_heads):
     # decode rows, a fresh prefill and a chunk after a cached context, padding rows
-    q, kc, vc, cu, seq_lens, tables = _batch([1, 20, 7, 1], [40, 0, 33, 5], heads, kv_heads, 64, 16, dtype)
+    q, kc, vc, cu, seq_lens, tables = kv_batch([1, 20, 7, 1], [40, 0, 33, 5], heads, kv_heads, 64, 16, dtype)
     out = ops.paged_attention(q, kc, vc, cu, seq_lens, tables, 0.125, 0, True, 0.1, 0.02)
     ref = paged_attention_ref(q, kc, vc, cu, seq_lens, tables, 0.125, 0.1, 0.02)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -169,7 +174,7 @@ def test_opcheck_with_scales(cache_dtype):
     slots = torch.tensor([16, 17, -1, 18, 19])
     torch.library.opcheck(torch.ops.compilelm.reshape_and_cache.default, (key, value, *caches, slots, 0.5, 0.25),
                           test_utils=checks)
-    q, kc, vc, cu, seq_lens, tables = _batch([1, 6], [10, 3], 8, 2, 64, 16, torch.float32)
+    q, kc, vc, cu, seq_lens, tables = kv_batch([1, 6], [10, 3], 8, 2, 64, 16, torch.float32)
     if cache_dtype != FP8:
         kc, vc = kc.float(), vc.float()
     torch.library.opcheck(torch.ops.compilelm.paged_attention.default,

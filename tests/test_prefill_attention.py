@@ -6,25 +6,18 @@ the kernel's own code (loads, dots, masks, the tile numbering); the GPU tier run
 Triton decides at import whether its jit functions (tl.zeros, tl.max, ...) are interpreted, so
 this file's tests run in a child pytest started with TRITON_INTERPRET=1."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from compilelm.ops.attention import paged_attention_ref
+from tests.triton_interpreter import INTERPRETED, run_interpreted
 
 triton = pytest.importorskip("triton", minversion="3.7", reason="Triton >= 3.7 (its interpreter works with numpy 2.4)")
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 if not INTERPRETED:
     def test_kernel_under_the_triton_interpreter():
-        child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                               env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-                               timeout=900)
-        assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
-        assert " passed" in child.stdout and " skipped" not in child.stdout, child.stdout[-2000:]
+        run_interpreted(__file__)
 
 
 @pytest.fixture(scope="module")

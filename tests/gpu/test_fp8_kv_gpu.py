@@ -10,7 +10,8 @@ import torch
 import compilelm.ops as ops
 from compilelm.ops import prefill_attention as prefill
 from compilelm.ops.attention import paged_attention_ref, reshape_and_cache_ref, rope_paged_attention_ref
-from compilelm.ops.rope import dequantize_kv, quantize_kv
+from compilelm.ops.rope import dequantize_kv
+from tests.test_fp8_kv_cache import kv_batch
 
 pytestmark = pytest.mark.gpu
 FP8 = torch.float8_e4m3fn
@@ -94,23 +95,8 @@ def test_qkv_graph_op_routes_fp8_caches_to_rope_and_cache():
 
 # -- readers ------------------------------------------------------------------------------------
 
-def _batch(q_lens, contexts, heads, kv_heads, d, page=16, dtype=torch.bfloat16, seed=0, scales=(0.1, 0.02)):
-    g = torch.Generator().manual_seed(seed)
-    seq_lens = [q + c for q, c in zip(q_lens, contexts)]
-    blocks = [-(-s // page) for s in seq_lens]
-    perm = torch.randperm(sum(blocks) + 3, generator=g) + 1
-    tables = torch.zeros(len(q_lens), max(blocks) + 1, dtype=torch.int32)
-    i = 0
-    for r, nb in enumerate(blocks):
-        tables[r, :nb] = perm[i:i + nb]
-        i += nb
-    num_blocks = int(perm.max()) + 1
-    gd = torch.Generator(device=DEV).manual_seed(seed)  # the large tensors drawn on the GPU
-    kc = quantize_kv(torch.randn(num_blocks, page, kv_heads, d, generator=gd, device=DEV) * 3, FP8, scales[0])
-    vc = quantize_kv(torch.randn(num_blocks, page, kv_heads, d, generator=gd, device=DEV), FP8, scales[1])
-    q = torch.randn(sum(q_lens) + 3, heads, d, generator=gd, device=DEV).to(dtype)
-    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    return [q, kc, vc, *(t.to(DEV) for t in (cu, torch.tensor(seq_lens, dtype=torch.int32), tables))]
+def _batch(*args, dtype=torch.bfloat16, **kw):
+    return kv_batch(*args, dtype=dtype, device=DEV, pad=3, **kw)
 
 
 def _check(out, ref, cu):
