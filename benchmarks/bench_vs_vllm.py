@@ -174,10 +174,12 @@ def ratios(rows: list[dict]) -> list[dict]:
     for model in dict.fromkeys(r["model"] for r in rows):
         ours = next((r for r in rows if r["model"] == model and r["engine"] == "compilelm"), {})
         peer = next((r for r in rows if r["model"] == model and r["engine"] == "vllm"), {})
-        for metric in [k for k in ours if k not in ("engine", "model", "error", "kv_cache_dtype")]:
+        # (kv_cache_dtype and tensor_parallel_size: both engines ran with them, recorded in the rows)
+        for metric in [k for k in ours if k not in ("engine", "model", "error", "kv_cache_dtype",
+                                                    "tensor_parallel_size")]:
             a, b = ours[metric], peer.get(metric)
             lower_is_better = metric.startswith(("decode_ms", "start_s"))
-            settings = metric in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size")  # what ran
+            settings = metric in ("max_num_batched_tokens", "max_num_seqs")  # each engine's own: what ran
             adv = None if b is None or settings else (b / a if lower_is_better else a / b)
             table.append({"model": model, "metric": metric, "compilelm": a, "vllm": b, "compilelm_advantage": adv})
     return table
