@@ -44,7 +44,9 @@ except ImportError:  # CPU builds of torch ship without Triton
     triton = None
 
 STREAM_MAX_ROWS = 16  # fp8_stream_mm's limit (kMaxRows in csrc/cuda/fp8_stream_mm.cu)
-QUANT_MAX_ROWS, QUANT_MAX_ELEMENTS = 8, 48 * 1024  # its quant prologue's (kMaxQuantRows, kMaxQuantBytes)
+# its quant prologue's (kMaxQuantRows, kMaxQuantBytes): M x K bytes of quantized rows in dynamic shared
+# memory beside the kernel's static arrays, past the default 48 KiB a block gets (the launch raises it)
+QUANT_MAX_ROWS, QUANT_MAX_ELEMENTS = 8, 48 * 1024
 TRITON_MAX_ROWS = 64  # the Triton kernel's BM is at most 64
 _routes = {"stream": STREAM_MAX_ROWS, "triton": TRITON_MAX_ROWS}
 

@@ -3,8 +3,9 @@
 //
 //   x:            fp8 [M <= 16, K]   activations, quantized per token (or per tensor) by the producer
 //   x_scale:      fp32, M values ([M, 1]) or one (static per-tensor)
-//                 or None: x is bf16 / fp16 / fp32 [M <= 8, K] (M x K <= 48 KB) and the kernel
-//                 quantizes it per token in its prologue, as quant_fp8_per_token would (the same bits)
+//                 or None: x is bf16 / fp16 / fp32 [M <= 8, K] (M x K <= 48 KiB: kMaxQuantBytes) and
+//                 the kernel quantizes it per token in its prologue, as quant_fp8_per_token would (the
+//                 same bits)
 //   weight:       fp8 [N, K]         rows contiguous, K a multiple of 16, 16-byte aligned rows
 //   weight_scale: fp32, N values ([1, N] / [N]: per channel) or one (per tensor)
 //   bias:         [N] in out's dtype, optional
@@ -33,12 +34,18 @@
 // to shared memory (fused_common.cuh's dynamic_scale / quant_fp8: quant_fp8_per_token's bits),
 // with its first weight loads already in flight; the steps then read x from shared memory. Every
 // block redoes the rows (M x K elements, from L2): one kernel instead of the quant kernel and the
-// GEMM, and no fp8 copy of x in global memory.
+// GEMM, and no fp8 copy of x in global memory. Shared memory there: the quantized rows (M x K
+// bytes, dynamic, at most kMaxQuantBytes) beside the ~2.2 KB of static arrays (s_acc, s_scale,
+// block_reduce's); together past the default 48 KiB a block gets, so the launch raises the
+// kernel's dynamic limit to kMaxQuantBytes first (every sm_89+ GPU allows >= 99 KB a block).
 #include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <ATen/cuda/CUDAContext.h>
 
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -53,7 +60,7 @@ namespace {
 
 constexpr int kMaxRows = 16;  // two n8 tiles of x rows
 constexpr int kMaxQuantRows = 8;  // the quant prologue: one tile
-constexpr int64_t kMaxQuantBytes = 48 * 1024;  // its quantized rows in shared memory (the default limit)
+constexpr int64_t kMaxQuantBytes = 48 * 1024;  // its quantized rows: dynamic shared memory, beside the static
 constexpr int kTileRows = 16;  // weight rows per block: the mma's M
 constexpr int kWarps = 4;     // warps per block, splitting K
 constexpr int kLoads = 4;     // 16-byte chunks per lane and weight row, per step
@@ -225,8 +232,19 @@ void launch_fp8_stream_mm(const Fp8StreamParams& p) {
   const dim3 grid((p.n + kTileRows - 1) / kTileRows);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if constexpr (!std::is_same_v<XIn, uint8_t>) {
-    const size_t shared = static_cast<size_t>(p.m) * p.k;  // the quantized rows
-    launch_kernel(fp8_stream_mm_kernel<T, 1, XIn>, grid, dim3(kWarps * 32), shared, stream, p);
+    const auto kernel = fp8_stream_mm_kernel<T, 1, XIn>;
+    // dynamic + static shared memory may pass the default 48 KiB: raise the kernel's dynamic limit
+    // to kMaxQuantBytes, once per device (a function attribute, not a stream operation: capture-safe)
+    static std::atomic<uint64_t> raised{0};  // bit d: done on device d (devices past 63: every call)
+    const int device = c10::cuda::current_device();
+    const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+    if (bit == 0 || (raised.load(std::memory_order_relaxed) & bit) == 0) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(kMaxQuantBytes)));
+      raised.fetch_or(bit, std::memory_order_relaxed);
+    }
+    const size_t shared = static_cast<size_t>(p.m) * p.k;  // the quantized rows (<= kMaxQuantBytes: checked)
+    launch_kernel(kernel, grid, dim3(kWarps * 32), shared, stream, p);
   } else if (p.m <= 8) {
     launch_kernel(fp8_stream_mm_kernel<T, 1, XIn>, grid, dim3(kWarps * 32), 0, stream, p);
   } else {

@@ -97,6 +97,27 @@ def test_quant_prologue(m, x_dtype):
         assert torch.equal(direct, torch.ops.compilelm.fp8_stream_mm(q, xs, w, ws, b, torch.bfloat16))
 
 
+@pytest.mark.parametrize("m,k", [(6, 8192), (8, 6144), (7, 8192)])
+def test_quant_prologue_at_its_shared_memory_limit(m, k):
+    """M x K = 48 KiB of quantized rows (6 x 8192, 8 x 6144) beside the kernel's static shared
+    arrays: past the default 48 KiB a block gets, so the launch must raise the kernel's limit;
+    7 x 8192 is past the prologue's limit and runs the two ops."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8_stream_mm needs sm_89+")
+    g = torch.Generator(device="cuda").manual_seed(8)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    _, _, w, ws, _ = problem(m, 512, k)
+    q, xs = torch.ops.compilelm.quant_fp8_per_token(x)
+    fused = torch.ops.compilelm.fp8_quant_linear(x, w, ws, None, torch.bfloat16)
+    assert torch.equal(fused, torch.ops.compilelm.fp8_linear(q, xs, w, ws, None, torch.bfloat16))
+    check(fused, q, xs, w, ws, None, torch.bfloat16)
+    if m * k <= fp8_gemm.QUANT_MAX_ELEMENTS:
+        assert torch.equal(torch.ops.compilelm.fp8_stream_mm(x, None, w, ws, None, torch.bfloat16), fused)
+    else:
+        with pytest.raises(RuntimeError, match="quantizing x in the kernel"):
+            torch.ops.compilelm.fp8_stream_mm(x, None, w, ws, None, torch.bfloat16)
+
+
 def test_odd_k_and_strided_rows_fall_back():
     q, xs, w, ws, _ = problem(3, 64, 200)  # K = 200: no kernel (nor cuBLASLt) takes it
     check(torch.ops.compilelm.fp8_linear(q, xs, w, ws, None, torch.bfloat16), q, xs, w, ws, None, torch.bfloat16)
