@@ -132,24 +132,39 @@ def _receiver(handle, conn, count):
 
 
 def test_steps_and_calls_arrive_in_order_and_large_steps_go_down_the_pipe():
+    """The large step is 4 MiB pickled, far more than a pipe's buffer: its send completes only
+    while the rank reads, so the rank must learn it is coming (the marker) before it is sent."""
+    import threading
+
     from compilelm.runtime.step_broadcast import StepBroadcast
     rng = np.random.default_rng(1)
-    small, large = _step(rng, 3, 1, 2, True), _step(rng, 400, 8, 50, False)  # large: > the 2 KiB slot
+    small, large = _step(rng, 3, 1, 2, True), _step(rng, 400, 16, 1 << 16, False)  # large: > the 2 KiB slot
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
     ring = ShmRing.create(num_readers=1, num_slots=2, slot_bytes=2048)
     broadcast = StepBroadcast(ring, [parent], lambda: None)
     proc = ctx.Process(target=_receiver, args=(ring.handle, child, 5))
     proc.start()
-    try:
+
+    def send():
         broadcast.send_step(small)
         broadcast.send_call("num_kv_blocks", (7,), True)
         broadcast.send_step(large)
         broadcast.send_step(small)
         broadcast.send_call("shutdown", (), False)
-        got = [parent.recv() for _ in range(5)]
+    sender = threading.Thread(target=send, daemon=True)  # (a hang here fails the test, below)
+    got = []
+    try:
+        sender.start()
+        for _ in range(5):
+            assert parent.poll(60), f"the rank got {len(got)} of 5 commands: the sender hangs"
+            got.append(parent.recv())
+        sender.join(timeout=10)
+        assert not sender.is_alive()
     finally:
         proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
         broadcast.close()
     step = lambda s: ("run_step", s.batch.input_ids.tolist(), s.batch.block_tables.tolist(), False)  # noqa: E731
     assert got == [step(small), ("num_kv_blocks", (7,), None, True), step(large), step(small),

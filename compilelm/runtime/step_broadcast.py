@@ -107,10 +107,18 @@ class StepBroadcast:
         self._pipe((method, args, want_reply), self.ring.reserve(check or self.check))
 
     def _pipe(self, message, slot: np.ndarray) -> None:
-        for conn in self.conns:
-            conn.send(message)  # first: the marker tells the rank it is there
+        # The marker first: a rank reads its pipe only once it has seen it, and a message larger
+        # than the pipe's buffer (an oversized step) blocks `send` until the rank reads.
         slot[:8].view(np.int64)[0] = KIND_PIPE
         self.ring.publish(8)
+        error = None
+        for conn in self.conns:  # every live rank gets it, even when one's pipe is broken
+            try:
+                conn.send(message)
+            except OSError as exc:
+                error = error or exc
+        if error is not None:
+            raise error
 
     def close(self) -> None:
         self.ring.close()
