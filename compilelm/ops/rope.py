@@ -23,10 +23,14 @@ FP8_KV_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 def quantize_kv(x: Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> Tensor:
     """What a cache of `cache_dtype` stores for x: x itself, or for an fp8 cache
-    fp8(clamp(x.float() / scale, -448, 448)) (round to nearest even, saturating: vLLM's e4m3 write)."""
+    fp8(clamp(x.float() / scale, -448, 448)) (round to nearest even, saturating: vLLM's e4m3 write).
+    The division is IEEE-rounded on every device, as the kernels' (on CUDA, torch divides by a
+    Python number as a multiply by its reciprocal, which moves ~1 code in 10^5 for some scales):
+    the scale is a tensor on x's device."""
     if cache_dtype != FP8_KV_DTYPE:
         return x
-    return (x.float() / scale).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+    divisor = torch.tensor(scale, dtype=torch.float32, device=x.device)
+    return (x.float() / divisor).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
 
 
 def dequantize_kv(cache: Tensor, scale: float = 1.0) -> Tensor:
