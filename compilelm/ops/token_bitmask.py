@@ -19,10 +19,15 @@ except ImportError:  # the CPU reference needs no Triton
 _SHIFTS: dict[torch.device, Tensor] = {}  # [0, 1, ..., 31] int32 per device
 
 
+def packed_rows(packed: Tensor, k: int, words: int) -> Tensor:
+    """The rows of a packed array's k masks (int32 [k], a view)."""
+    return packed[k * words:k * words + k]
+
+
 def mask_logits_rows_ref(logits: Tensor, packed: Tensor, k: int, words: int) -> Tensor:
     # logits: [rows, vocab] (any float dtype); packed: int32 [>= k * words + k] on logits' device
     vocab = logits.shape[-1]
-    masks, rows = packed[:k * words].view(k, words), packed[k * words:k * words + k].long()
+    masks, rows = packed[:k * words].view(k, words), packed_rows(packed, k, words).long()
     shifts = _SHIFTS.get(logits.device)
     if shifts is None:
         shifts = _SHIFTS[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)

@@ -360,8 +360,15 @@ class ModelRunner:
                      masks: GrammarMasks | None = None, check=None) -> AsyncStepOutput:
         """The second half: sampling on the device, its ids copied back without waiting. `masks`:
         `start_masks(sched)`, started by the engine while it processed the previous step; `check`:
-        see AsyncStepOutput."""
-        out, sampled = self._sample(sched, step, logits, masks)
+        see AsyncStepOutput. Under TP a step with share_sampled "broadcast" always broadcasts, even
+        when sampling raises: the other ranks are already in the broadcast, and a skipped one
+        would pair their next collective with ours."""
+        try:
+            out, sampled = self._sample(sched, step, logits, masks)
+        except BaseException:
+            if step.share_sampled == "broadcast":  # placeholder ids; the error ends the engine
+                tensor_model_parallel_broadcast(torch.zeros(step.num_sampled, dtype=torch.int64, device=self.device))
+            raise
         if step.share_sampled == "broadcast" and sampled is not None:
             sampled.token_ids = sampled.token_ids.contiguous()
             tensor_model_parallel_broadcast(sampled.token_ids)  # to receive_sampled on the other ranks
@@ -412,11 +419,14 @@ class ModelRunner:
                 logits = logits.float()  # fp32 rows for the user functions (a copy once, then a no-op)
                 logits[i] = fn(req.output_token_ids, logits[i])
         masks = masks or self.start_masks(sched)
+        masked_rows = None
         if masks is not None:  # host masks of the constrained rows: one copy, applied in one kernel
             packed = masks.packed.result().to(logits.device, non_blocking=True)
             logits = token_bitmask.mask_logits_rows_(logits, packed, masks.num_rows, masks.words)
+            masked_rows = token_bitmask.packed_rows(packed, masks.num_rows, masks.words)
+        # a full graph's argmax (its input ids, in place: the next step's ids stay there)
         greedy = None if self.greedy_ids is None else self.greedy_ids[:step.num_sampled]
-        return out, self.sampler.sample_tensors(logits, out.sampled, greedy)
+        return out, self.sampler.sample_tensors(logits, out.sampled, greedy, masked_rows)
 
     def _prompt_logprobs(self, sched: SchedulerOutput, logits: torch.Tensor) -> dict:
         """request id -> [(prompt position, LogprobsLists)]; `logits` holds the prompt-logprob rows

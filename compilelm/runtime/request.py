@@ -66,11 +66,13 @@ class Request:
         # Chained hashes of the full blocks of all_token_ids, extended by the KV-cache manager.
         self.block_hashes: list[bytes] = []
 
-        # greedy with nothing that reads or edits the logits row: the sampler's argmax-only path
-        self.plain_greedy = bool(sampling_params.is_greedy and sampling_params.logprobs is None
-                                 and not sampling_params.has_penalties and not sampling_params.min_tokens
-                                 and not sampling_params.logits_processors
-                                 and sampling_params.structured_outputs is None)
+        # greedy with nothing that reads or edits the logits row but a grammar's mask: the
+        # sampler's argmax-only path (a masked row's argmax is taken after its mask)
+        self.argmax_only = bool(sampling_params.is_greedy and sampling_params.logprobs is None
+                                and not sampling_params.has_penalties and not sampling_params.min_tokens
+                                and not sampling_params.logits_processors)
+        # ... and no grammar either: every rank can take the argmax of the same logits (TP)
+        self.plain_greedy = self.argmax_only and sampling_params.structured_outputs is None
         # the RequestGrammar of a structured output (set by the engine), advanced by each sampled token
         self.grammar = None
 

@@ -73,12 +73,19 @@ class Sampler:
         return self.sample_tensors(logits, requests).to_output()
 
     def sample_tensors(self, logits: torch.Tensor, requests: list[Request],
-                       greedy_ids: torch.Tensor | None = None) -> SampledTensors:
-        # logits: [num_reqs, vocab], the model's dtype or fp32; greedy_ids: their argmax where
-        # already computed (int64 [num_reqs]: a full CUDA graph's, fused into its LM head)
-        if all(r.plain_greedy for r in requests):  # the common case: one argmax, no host passes
-            # (the argmax of the logits as they are)
-            return SampledTensors(argmax_rows(logits) if greedy_ids is None else greedy_ids, [], [])
+                       greedy_ids: torch.Tensor | None = None,
+                       masked_rows: torch.Tensor | None = None) -> SampledTensors:
+        # logits: [num_reqs, vocab], the model's dtype or fp32, grammar masks applied; greedy_ids:
+        # the argmax of the logits before masking where already computed (int64 [num_reqs]: a full
+        # CUDA graph's, fused into its LM head); masked_rows: the rows whose mask was applied since
+        # (int32 / int64 [k] on logits' device), None if none
+        if all(r.argmax_only for r in requests):  # the common case: one argmax, no host passes
+            if greedy_ids is None:
+                return SampledTensors(argmax_rows(logits), [], [])
+            if masked_rows is not None:  # only those rows change: their argmax into greedy_ids, in place
+                masked_rows = masked_rows.long()
+                greedy_ids.index_copy_(0, masked_rows, argmax_rows(logits.index_select(0, masked_rows)))
+            return SampledTensors(greedy_ids, [], [])
         logits = logits.float()  # everything else works in fp32, as vLLM's sampler does
         params = [r.sampling_params for r in requests]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
