@@ -265,6 +265,33 @@ def test_tp2_async_matches_tp1_with_preemption():
     assert any(pending for _, pending in steps)
 
 
+def test_tp2_sampling_that_raises_still_broadcasts_to_the_ranks():
+    """Rank 0's sampling fails in a step whose ids rank 1 waits to receive: the error reaches the
+    caller, and rank 1 is not left in the broadcast (it answers the next call), so the group's
+    collectives stay paired and the shutdown is clean."""
+    from compilelm.llm import LLM
+    llm = LLM(f"dummy:{QWEN3[0]}", model_overrides=QWEN3[1], tensor_parallel_size=2, enforce_eager=True,
+              async_scheduling=True, max_model_len=128, num_kv_blocks=64)
+    executor, runner = llm.engine.executor, llm.engine.model_runner
+    sample, proc = runner._sample, executor.procs[0]
+
+    def failing(sched, step, *args):
+        if step.share_sampled == "broadcast":
+            raise ValueError("sampling failed")
+        return sample(sched, step, *args)
+    runner._sample = failing
+    try:
+        with pytest.raises(ValueError, match="sampling failed"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=1.0, seed=1), use_tqdm=False)
+        executor.broadcast.send_call("num_kv_blocks", (), True)
+        assert executor.conns[0].poll(60), "rank 1 is still waiting in the step's broadcast"
+        assert executor._reply(1) == 64
+    finally:
+        llm.engine.shutdown()
+    proc.join(timeout=30)
+    assert proc.exitcode == 0
+
+
 def test_tp2_async_structured_outputs_match_sync():
     """Constrained rows under async TP=2 (the grammar path: forward launched, the previous step's
     tokens accepted, then masks + sampling, ids broadcast to rank 1) == sync TP=2."""
