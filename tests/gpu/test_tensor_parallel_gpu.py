@@ -5,7 +5,8 @@ kernel over peer memory, or NCCL below `custom_all_reduce_min_bytes`) and the LM
 then the greedy argmax. So a steady greedy decode step on rank 0 is one graph launch and no
 collective called from the host, while the all-reduce kernels do run (inside the graph). Tokens:
 async TP=2 with graphs == TP=1 eager (fp32, where TP=2's extra roundings are ~1e-7), and async ==
-sync at TP=2 for seeded random sampling (rank 0 broadcasts those ids).
+sync at TP=2 for seeded random sampling and for greedy constrained rows (rank 0 broadcasts those
+ids).
 """
 
 from __future__ import annotations
@@ -93,15 +94,19 @@ def _decode_profile(llm, steps: int = 6) -> dict:
             "allreduce_kernels": [k for k in kernels if "nccl" in k.lower() or "one_shot" in k]}
 
 
-GREEDY = dict(max_tokens=16, temperature=0, ignore_eos=True)
+def _greedy():
+    """Greedy rows that finish at different steps: after one does, the others' pending rows no
+    longer sit at the rows of the last step's output (the full graph's argmax is copied out of
+    the input buffer before the next step's inputs overwrite it)."""
+    from compilelm.sampling_params import SamplingParams
+    return [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (16, 5, 16, 9)]
 
 
 @pytest.fixture(scope="module")
 def tp1_tokens():
-    from compilelm.sampling_params import SamplingParams
     ref = _llm(1, False, None, eager=True)
     try:
-        return _tokens(ref, SamplingParams(**GREEDY))
+        return _tokens(ref, _greedy())
     finally:
         ref.engine.shutdown()
 
@@ -110,11 +115,10 @@ def tp1_tokens():
 def test_full_graph_decode_captures_the_collectives(min_bytes, cache_dir, tp1_tokens):
     """Every steady decode step is one full-graph replay with the all-reduces inside it: no
     collective is called from the host, yet all-reduce kernels run; tokens as eager TP=1."""
-    from compilelm.sampling_params import SamplingParams
     llm = _llm(2, True, cache_dir, custom_all_reduce_min_bytes=min_bytes)
     try:
         assert llm.engine.async_scheduling  # the default on CUDA at any TP size
-        graphed = _tokens(llm, SamplingParams(**GREEDY))
+        graphed = _tokens(llm, _greedy())
         prof = _decode_profile(llm)
     finally:
         llm.engine.shutdown()
@@ -138,3 +142,43 @@ def test_async_tp2_graphs_match_sync(cache_dir):
         finally:
             llm.engine.shutdown()
     assert tokens[0] == tokens[1]
+
+
+def test_async_tp2_graphs_constrained_greedy_rows_match_sync(tmp_path):
+    """Greedy constrained rows next to plain greedy ones: rank 0 takes the masked rows' argmax
+    into the full graph's input ids, in place, and broadcasts those ids; rank 1 decodes from the
+    broadcast, not from its own (unmasked) argmax. Async == sync at TP=2, token for token."""
+    pytest.importorskip("llguidance")
+    import gzip
+    import shutil
+
+    from compilelm.llm import LLM
+    from compilelm.sampling_params import SamplingParams
+    from compilelm.sampling_params import StructuredOutputsParams as S
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "data", "smollm2_tokenizer")
+    tok = tmp_path / "tokenizer"
+    tok.mkdir()
+    shutil.copy(os.path.join(src, "tokenizer_config.json"), tok)
+    with gzip.open(os.path.join(src, "tokenizer.json.gz"), "rb") as f, open(tok / "tokenizer.json", "wb") as out:
+        shutil.copyfileobj(f, out)
+    schema = {"type": "object", "additionalProperties": False, "required": ["n"],
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}}}
+    params = [SamplingParams(max_tokens=24, temperature=0, structured_outputs=S(json=schema)),
+              SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0, structured_outputs=S(regex="[ab]{3,6}")),
+              SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)]
+    results = []
+    for async_scheduling in (True, False):
+        llm = LLM("dummy:smollm2-135m", tokenizer=str(tok), tensor_parallel_size=2, device="cuda", dtype="float32",
+                  async_scheduling=async_scheduling, max_model_len=256, num_kv_blocks=128,
+                  model_overrides={"num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+                                   "head_dim": 64},
+                  compilation_config={"cache_dir": str(tmp_path / "cache"), "cudagraph_mode": "full_and_piecewise",
+                                      "cudagraph_capture_sizes": [1, 2, 4, 8]})
+        try:
+            outs = llm.generate(["A number:", [4, 5], "Letters:", [6, 7, 8, 9]], params, use_tqdm=False)
+            results.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
+        finally:
+            llm.engine.shutdown()
+    assert results[0] == results[1]
+    assert [len(t) for t, _ in results[0][1::2]] == [16, 7]
