@@ -18,7 +18,8 @@ kernel of that size:
     the A operand, x's rows the narrow N extent, as compilelm/ops/hopper_gemm.py), scales and bias
     in the epilogue, launched with programmatic dependent launch;
   - else (prefill), and for layouts the kernels do not take: `torch._scaled_mm` (cuBLASLt, rowwise
-    scales); K not a multiple of 16 (which cuBLASLt refuses too): the reference.
+    scales), where it takes the call (K and N multiples of 16; off sm_90 a bf16 output only: its
+    rowwise path there is CUTLASS's); any other call: the reference (dequantized, fp32).
 `set_fp8_routes` moves the two thresholds (benchmarks, A/B). On CPU the op is the reference.
 
 `compilelm::fp8_quant_linear(x, weight, weight_scale, bias, out_dtype)` is quant_fp8_per_token(x)
@@ -171,28 +172,45 @@ _stream_kernel: dict[int, bool] = {}  # device index -> fp8_stream_mm runs there
 _sm90: dict[int, bool] = {}
 
 
-def _has_stream_kernel(device: torch.device) -> bool:
+def _probe(device: torch.device) -> None:
     if device.index not in _stream_kernel:
         cap = torch.cuda.get_device_capability(device)
         _stream_kernel[device.index] = cap >= (8, 9) and torch._C._dispatch_has_kernel_for_dispatch_key(
             "compilelm::fp8_stream_mm", "CUDA")
         _sm90[device.index] = cap[0] == 9
+
+
+def _has_stream_kernel(device: torch.device) -> bool:
+    _probe(device)
     return _stream_kernel[device.index]
+
+
+def _is_sm90(device: torch.device) -> bool:
+    _probe(device)
+    return _sm90[device.index]
 
 
 def route(m: int, device: torch.device) -> str:
     """The kernel fp8_linear runs for m rows on this device, for inputs the kernels take:
     'stream', 'triton' or 'scaled_mm'."""
-    stream = _has_stream_kernel(device)
-    if stream and 1 <= m <= _routes["stream"]:
+    if _has_stream_kernel(device) and 1 <= m <= _routes["stream"]:
         return "stream"
-    if triton is not None and _sm90[device.index] and 1 <= m <= _routes["triton"]:
+    if triton is not None and _is_sm90(device) and 1 <= m <= _routes["triton"]:
         return "triton"
     return "scaled_mm"
 
 
+def scaled_mm_takes(x: Tensor, weight: Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether torch._scaled_mm with rowwise scales takes this call (its checks): at least one row, K
+    and N multiples of 16, and off sm_90 (no cuBLASLt rowwise path there) a bf16 output."""
+    return (x.shape[0] > 0 and x.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0
+            and (out_dtype == torch.bfloat16 or _is_sm90(x.device)))
+
+
 def scaled_mm(x, x_scale, weight, weight_scale, bias, out_dtype):
-    """torch._scaled_mm with rowwise scales (a per-tensor scale expanded to its row / column)."""
+    """torch._scaled_mm with rowwise scales (a per-tensor scale expanded to its row / column). It
+    takes a bias only beside a 16-bit output (of that dtype): an fp32 output gets it added after
+    (the reference's fp32 sum + bias, one rounding either way)."""
     m, n = x.shape[0], weight.shape[0]
     xs = x_scale.reshape(-1, 1).float()
     ws = weight_scale.reshape(1, -1).float()
@@ -200,8 +218,12 @@ def scaled_mm(x, x_scale, weight, weight_scale, bias, out_dtype):
         xs = xs.expand(m, 1)
     if ws.shape[1] != n:
         ws = ws.expand(1, n)
-    return torch._scaled_mm(x, weight.t(), scale_a=xs.contiguous(), scale_b=ws.contiguous(),
-                            bias=None if bias is None else bias.to(out_dtype), out_dtype=out_dtype)
+    in_epilogue = bias is not None and out_dtype != torch.float32
+    out = torch._scaled_mm(x, weight.t(), scale_a=xs.contiguous(), scale_b=ws.contiguous(),
+                           bias=bias.to(out_dtype) if in_epilogue else None, out_dtype=out_dtype)
+    if bias is not None and not in_epilogue:
+        out += bias.float()
+    return out
 
 
 @torch.library.register_kernel("compilelm::fp8_linear", "cuda")
@@ -213,9 +235,9 @@ def _(x, x_scale, weight, weight_scale, bias, out_dtype):
         if kind == "stream":
             return torch.ops.compilelm.fp8_stream_mm.default(x, x_scale, weight, weight_scale, b, out_dtype)
         return fp8_mm_triton(x, x_scale, weight, weight_scale, b, out_dtype)
-    if x.shape[1] % 16 or x.shape[0] == 0:  # cuBLASLt takes no such K (nor zero rows): dequantize
-        return fp8_linear_ref(x, x_scale, weight, weight_scale, bias, out_dtype)
-    return scaled_mm(x, x_scale, weight, weight_scale, bias, out_dtype)
+    if scaled_mm_takes(x, weight, out_dtype):
+        return scaled_mm(x, x_scale, weight, weight_scale, bias, out_dtype)
+    return fp8_linear_ref(x, x_scale, weight, weight_scale, bias, out_dtype)  # (dequantized)
 
 
 @torch.library.register_kernel("compilelm::fp8_quant_linear", "cuda")

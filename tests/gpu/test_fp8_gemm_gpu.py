@@ -71,7 +71,7 @@ def test_triton_kernel(m, n, k):
 @pytest.mark.parametrize("per_tensor", [False, True])
 @pytest.mark.parametrize("m", ROWS)
 def test_routed_op(m, per_tensor, out_dtype):
-    n, k = 1000, 1040
+    n, k = 1008, 1040  # N: ragged for the kernels' tiles, a multiple of 16 for _scaled_mm (m > 64)
     q, xs, w, ws, b = problem(m, n, k, bias=True, per_tensor=per_tensor, dtype=out_dtype)
     check(torch.ops.compilelm.fp8_linear(q, xs, w, ws, b, out_dtype), q, xs, w, ws, b, out_dtype)
 
@@ -121,6 +121,9 @@ def test_quant_prologue_at_its_shared_memory_limit(m, k):
 def test_odd_k_and_strided_rows_fall_back():
     q, xs, w, ws, _ = problem(3, 64, 200)  # K = 200: no kernel (nor cuBLASLt) takes it
     check(torch.ops.compilelm.fp8_linear(q, xs, w, ws, None, torch.bfloat16), q, xs, w, ws, None, torch.bfloat16)
+    for out_dtype in (torch.bfloat16, torch.float32):  # N = 1000 past 64 rows: _scaled_mm refuses it
+        q, xs, w, ws, b = problem(70, 1000, 256, bias=True, dtype=out_dtype)
+        check(torch.ops.compilelm.fp8_linear(q, xs, w, ws, b, out_dtype), q, xs, w, ws, b, out_dtype)
     q, xs, w, ws, _ = problem(2, 64, 272)
     qs = q[:, 16:]  # rows 16-byte aligned, but strided: the kernels take it
     check(torch.ops.compilelm.fp8_linear(qs, xs, w[:, 16:].contiguous(), ws, None, torch.bfloat16),
