@@ -204,7 +204,9 @@ def test_fp8_decode_is_close_to_bf16():
     tables = torch.arange(1, blocks + 1, dtype=torch.int32, device=DEV)[None]
     a = ops.paged_attention(q, *bf, cu, lens, tables, d ** -0.5, 1)
     b = ops.paged_attention(q, *f8, cu, lens, tables, d ** -0.5, 1, True, 1.0, 1.0)
-    assert (a.float() - b.float()).abs().max() < 0.05
+    # relative to the output (~0.07 at most: a flat softmax over 8000 keys averages them), so that a
+    # wrong scale or a dropped split fails (the CPU kernels, the same codes: 4% of the largest output)
+    assert (a.float() - b.float()).abs().max() < 0.1 * a.float().abs().max()
 
 
 # -- the engine ---------------------------------------------------------------------------------
