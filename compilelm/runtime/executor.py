@@ -127,7 +127,10 @@ class Executor:
             return runner.execute_model(sched)
         step = runner.prepare_step(sched)
         logits = self._run_step(step)
-        return runner.make_output(sched, step, logits)
+        # sampled as an async step is, then waited for at once: on CUDA the wait polls the ranks,
+        # whose failure or exit would otherwise leave it in a blocking copy behind a collective
+        # that never completes
+        return self.sample_async(sched, step, logits).get()
 
     def _run_step(self, step: StepInputs):
         """Every rank runs `step`: the others from the ring, then this one; its logits."""
