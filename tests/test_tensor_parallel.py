@@ -474,6 +474,37 @@ def test_ranks_exit_when_the_driver_is_killed(tmp_path):
             driver.kill()
 
 
+_EXIT_WITHOUT_SHUTDOWN = """
+from compilelm.llm import LLM
+from compilelm.runtime.model_runner import ModelRunner
+from compilelm.sampling_params import SamplingParams
+if __name__ == "__main__":
+    release = ModelRunner.release_graphs
+    def spy(self):
+        print("driver released its graphs", flush=True)
+        release(self)
+    ModelRunner.release_graphs = spy  # (this process only: the rank runs its own copy)
+    llm = LLM("dummy:qwen3-0.6b", model_overrides={overrides!r}, tensor_parallel_size=2, enforce_eager=True,
+              max_model_len=128, num_kv_blocks=64)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    print("exiting", flush=True)
+"""
+
+
+def test_a_driver_that_exits_without_shutdown_releases_its_graphs_first(tmp_path):
+    """No `shutdown()` (a script that just ends): the executor's exit hook stops the ranks, and
+    the driver drops its CUDA graphs before leaving the group, as shutdown does (an NCCL group
+    left under graphs that captured its collectives hangs)."""
+    import subprocess
+    import sys
+    script = tmp_path / "driver.py"
+    script.write_text(_EXIT_WITHOUT_SHUTDOWN.format(overrides=QWEN3[1]))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert "exiting" in lines and "driver released its graphs" in lines[lines.index("exiting"):], out.stdout
+
+
 def test_release_graphs_drops_every_graph_and_steps_run_eagerly():
     """What a TP rank does before leaving its NCCL group: no graph may outlive the communicator
     whose collectives it captured. On CPU there are no graphs: stand-ins with the same shape."""

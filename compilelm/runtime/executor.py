@@ -62,12 +62,16 @@ class Executor:
             child.close()
             self.procs.append(proc)
             self.conns.append(parent)
-        # Stops the ranks when this executor is collected or at exit (holds no reference to self:
-        # an engine dropped by its user frees its model and KV cache).
-        self._finalizer = weakref.finalize(self, _stop_ranks, self.procs, self.conns, self.broadcast)
+        # Stops the ranks when this executor is collected or at exit (holds no reference to self,
+        # and only a weak one to the driver: an engine dropped by its user frees its model and KV
+        # cache).
+        self._driver_ref: list = []  # [weakref to self.driver], once it is built
+        self._finalizer = weakref.finalize(self, _stop_ranks, self.procs, self.conns, self.broadcast,
+                                           self._driver_ref)
         try:
             self._wait_started()
             self.driver = Worker(config, 0, init_method)  # joins the group once every rank is up
+            self._driver_ref.append(weakref.ref(self.driver))
             self._replies()  # every rank built its model
         except BaseException:
             self.shutdown()
@@ -159,8 +163,6 @@ class Executor:
         return self.driver.model_runner.sample_async(sched, step, logits, masks, check)
 
     def shutdown(self) -> None:
-        if self.conns and getattr(self, "driver", None) is not None:
-            self.driver.release_graphs()  # before the group goes (every rank does the same)
         self._finalizer()
 
 
@@ -189,11 +191,16 @@ def _exited_check(procs: list):
     return check
 
 
-def _stop_ranks(procs: list, conns: list, broadcast: StepBroadcast | None) -> None:
+def _stop_ranks(procs: list, conns: list, broadcast: StepBroadcast | None, driver_ref: list) -> None:
+    """Executor.shutdown, also run when the executor is collected or at interpreter exit."""
     if not procs:  # one rank: no processes, no process group
         if broadcast is not None:
             broadcast.close()
         return
+    driver = driver_ref[0]() if driver_ref else None
+    if driver is not None:  # its graphs go before the group does (every rank does the same): an
+        driver.release_graphs()  # NCCL group left under graphs that captured it hangs
+    del driver
     all_alive = all(proc.is_alive() for proc in procs)
     try:  # (a failed rank waits for this message: only an exited one makes the send give up)
         broadcast.send_call("shutdown", (), False, check=_exited_check(procs))
