@@ -123,6 +123,8 @@ if triton is not None:
             block = tl.load(table + key // PAGE, mask=in_range, other=0)
         else:
             block = tl.load(table + key // PAGE)
+        # 64-bit offsets: a layer's cache may pass 2^31 elements (an fp8 cache holds twice the blocks)
+        block = block.to(tl.int64)
         slot = key % PAGE
         k_ptrs = K + block[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
         v_ptrs = V + block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :]

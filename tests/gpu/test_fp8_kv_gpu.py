@@ -169,6 +169,37 @@ def test_mixed_batch_with_prior_context(head_size, heads, kv_heads):
     _check(out, ref, cu)
 
 
+def test_cache_past_2_31_elements():
+    """A layer's fp8 cache of more than 2^31 elements (a small model's on an H200: an fp8 cache
+    holds twice a bf16 one's blocks), the batch's pages at its end: the Triton prefill kernel and
+    the decode kernel address them with 64-bit offsets."""
+    heads, kvh, d, page = 16, 8, 128, 16
+    num_blocks = (1 << 31) // (page * kvh * d) + 64  # 2.15 GB a cache
+    kc = torch.zeros(num_blocks, page, kvh, d, dtype=FP8, device=DEV)
+    vc = torch.zeros_like(kc)
+    q_lens, contexts = [1, 70, 1], [300, 200, 40]
+    seq_lens = [q + c for q, c in zip(q_lens, contexts)]
+    pages = [-(-s // page) for s in seq_lens]
+    tables = torch.zeros(len(q_lens), max(pages), dtype=torch.int32, device=DEV)
+    last = num_blocks
+    for i, n in enumerate(pages):  # each sequence's pages: the cache's last ones, in reverse
+        tables[i, :n] = torch.arange(last - 1, last - 1 - n, -1, dtype=torch.int32, device=DEV)
+        last -= n
+    g = torch.Generator(device=DEV).manual_seed(9)
+    used = tables[tables > 0].long()
+    kc[used] = quantize_kv(torch.randn(len(used), page, kvh, d, generator=g, device=DEV) * 3, FP8, 0.1)
+    vc[used] = quantize_kv(torch.randn(len(used), page, kvh, d, generator=g, device=DEV), FP8, 0.02)
+    q = torch.randn(sum(q_lens), heads, d, generator=g, device=DEV).to(torch.bfloat16)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    scale = d ** -0.5
+    ref = paged_attention_ref(q, kc, vc, cu, lens, tables, scale, 0.1, 0.02)
+    _check(ops.paged_attention(q, kc, vc, cu, lens, tables, scale, 0, True, 0.1, 0.02), ref, cu)
+    out = ops.paged_attention(q, kc, vc, cu, lens, tables, scale, 0, False, 0.1, 0.02)
+    prefill.prefill_attention(out, q, kc, vc, cu, lens, tables, scale, k_scale=0.1, v_scale=0.02)
+    _check(out, ref, cu)
+
+
 def test_rope_paged_attention_fp8_decode():
     g = torch.Generator().manual_seed(5)
     n, heads, kvh, d = 4, 32, 8, 128
