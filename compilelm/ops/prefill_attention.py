@@ -43,12 +43,23 @@ def set_enabled(enabled: bool) -> bool:
     return previous
 
 
+_fp8_loads: dict[int, bool] = {}  # device index -> Triton loads float8_e4m3fn there (sm_89+)
+
+
+def _loads_fp8(device: torch.device) -> bool:
+    if device.index not in _fp8_loads:
+        _fp8_loads[device.index] = torch.cuda.get_device_capability(device) >= (8, 9)
+    return _fp8_loads[device.index]
+
+
 def supported(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """Whether `prefill_attention` covers this call (bf16/fp16 on CUDA, the cache of the query's
-    dtype or float8_e4m3fn, head size 64 or 128, a GQA group that divides BLOCK_M)."""
+    dtype or float8_e4m3fn (sm_89+: Triton has no e4m3 type below), head size 64 or 128, a GQA
+    group that divides BLOCK_M)."""
     head_dim, group = query.shape[2], query.shape[1] // key_cache.shape[2]
     return (triton is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
-            and key_cache.dtype in (query.dtype, torch.float8_e4m3fn)
+            and (key_cache.dtype == query.dtype
+                 or (key_cache.dtype == torch.float8_e4m3fn and _loads_fp8(query.device)))
             and head_dim in CONFIGS and CONFIGS[head_dim][0] % group == 0 and query.stride(2) == 1
             and key_cache.stride(3) == 1)
 
