@@ -19,7 +19,8 @@ left() {  # min(cap, budget left), at least 1 (timeout 0 would mean none)
 stage=${1:-default}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/env.txt"
 
-if ! ls compilelm/_C.cpython-312-*.so >/dev/null 2>&1; then
+tag=$(python3 -c 'import sys; print(f"{sys.version_info.major}{sys.version_info.minor}")')
+if ! ls compilelm/_C.cpython-"$tag"-*.so >/dev/null 2>&1; then
   timeout "$(left 170)" env CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ python3 -m pip install --no-build-isolation \
     --no-deps -e . >"$OUT/build.log" 2>&1 || { grep -E "error" "$OUT/build.log" | head -20; exit 1; }
   echo "build: $(($(date +%s) - START)) s"
