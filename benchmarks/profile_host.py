@@ -101,9 +101,10 @@ def phase_timers(engine, totals: dict[str, float]):
 # -- the step transport alone: pickled pipe vs shared-memory ring ---------------------------------
 
 def _transport_reader(conn, handle, n: int) -> None:
-    """Receives n steps by pipe, then n by ring; sends back each arrival time (perf_counter:
-    CLOCK_MONOTONIC, one clock for every process of the machine)."""
+    """Says it is ready (its imports done), receives n steps by pipe, then n by ring; sends back
+    each arrival time (perf_counter: CLOCK_MONOTONIC, one clock for every process of the machine)."""
     from compilelm.runtime.step_broadcast import StepReceiver
+    conn.send("ready")
     arrivals = []
     for _ in range(n):
         conn.recv()
@@ -132,7 +133,8 @@ def transport(step, n: int) -> dict:
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_transport_reader, args=(child, ring.handle, n))
     proc.start()
-    time.sleep(3.0)  # the reader is up
+    if not parent.poll(300) or parent.recv() != "ready":  # (a late reader would time its start-up)
+        raise RuntimeError("the transport benchmark's reader did not start")
     broadcast = StepBroadcast(ring, [parent], lambda: None)
     sent, cost = [], []
     for send in (lambda: parent.send(("run_step", (step,), False)), lambda: broadcast.send_step(step)):
