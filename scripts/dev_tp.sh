@@ -5,7 +5,8 @@
 # async scheduling (the default); JSON and logs in $OUT, the table last, with the issue's vLLM
 # TP=2 numbers and the targets.
 #
-#   bash scripts/dev_tp.sh [tests] [bench] [profile]   (default: tests bench, in that order)
+#   bash scripts/dev_tp.sh [tests] [bench] [profile] [deadpeer]   (default: tests bench; run in the
+#   order tests, profile, deadpeer, bench)
 #
 # tests get at most 300 s and each bench half the rest; with cold compile caches (a fresh machine:
 # the 8B compiles on both ranks) run `bash scripts/dev_tp.sh tests` and `bash scripts/dev_tp.sh
@@ -13,6 +14,8 @@
 #
 # profile (opt-in, best alone: `bash scripts/dev_tp.sh profile`): profile_host.py on the 8B at TP=2, batch 64, async and sync: host
 # time per step by phase (the ring write included) and the pipe-vs-ring transport on this host.
+# deadpeer (opt-in, ~1 min): rank 1 killed mid-generation; how soon the driver raises, and whether
+# engine.shutdown() then returns (a driver whose GPU waits in a collective for the dead rank).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/dev_tp}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
@@ -39,6 +42,32 @@ if [[ $stages == *" profile "* ]]; then
   timeout $cap python3 benchmarks/profile_host.py --model dummy:llama-3.1-8b --batch 64 --context 1000 \
     --tensor-parallel-size 2 --out "$OUT/profile_host_tp2.json" >"$OUT/profile_host_tp2.log" 2>&1
   echo "profile: exit $? ($(($(date +%s) - T0)) s)"; grep -E "===|ms/step" "$OUT/profile_host_tp2.log"
+fi
+if [[ $stages == *" deadpeer "* ]]; then  # opt-in: rank 1 killed mid-generation (CUDA, NCCL)
+  cat >/tmp/tp_dead_peer.py <<'EOF'
+import threading, time
+from compilelm.llm import LLM
+from compilelm.sampling_params import SamplingParams
+if __name__ == "__main__":
+    llm = LLM("dummy:qwen3-0.6b", model_overrides={"num_hidden_layers": 2, "vocab_size": 4096}, device="cuda",
+              tensor_parallel_size=2, max_model_len=256, num_kv_blocks=256, enforce_eager=True)
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    llm.generate([[1, 2, 3]], params, use_tqdm=False)
+    proc, killed = llm.engine.executor.procs[0], []
+    threading.Timer(1.0, lambda: (killed.append(time.time()), proc.kill())).start()
+    t0, err = time.time(), None
+    while err is None and time.time() - t0 < 60:
+        try:
+            llm.generate([[1, 2, 3]] * 8, params, use_tqdm=False)
+        except RuntimeError as e:
+            err = e
+    print(f"error {time.time() - killed[0]:.1f} s after the kill: {str(err)[:200]!r}", flush=True)
+    t1, done = time.time(), threading.Event()
+    threading.Thread(target=lambda: (llm.engine.shutdown(), done.set()), daemon=True).start()
+    print(f"shutdown took {time.time() - t1:.1f} s" if done.wait(60) else "shutdown HUNG (> 60 s)", flush=True)
+EOF
+  timeout 150 python3 /tmp/tp_dead_peer.py >"$OUT/deadpeer.log" 2>&1
+  echo "deadpeer: exit $? ($(($(date +%s) - T0)) s)"; grep -E "^error|^shutdown" "$OUT/deadpeer.log"
 fi
 [[ $stages == *" bench "* ]] || exit 0
 B="python3 benchmarks/bench_vs_vllm.py --vllm-site /nonexistent --models dummy:llama-3.1-8b --decode 1x1000 64x1000
