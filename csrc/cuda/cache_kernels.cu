@@ -95,8 +95,11 @@ void launch_fp8(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_
 void launch_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                               at::Tensor& value_cache, const at::Tensor& slot_mapping, bool vectorized, float k_scale,
                               float v_scale) {
-  if (key_cache.scalar_type() == at::kFloat8_e4m3fn) {
-    TORCH_CHECK(key.size(1) * key.size(2) % 8 == 0, "reshape_and_cache into an fp8 cache: rows of a multiple of 8");
+  if (key_cache.scalar_type() == at::kFloat8_e4m3fn) {  // 8-byte stores: rows of 8k codes, 8-byte aligned caches
+    TORCH_CHECK(key.size(1) * key.size(2) % 8 == 0 &&
+                    reinterpret_cast<uintptr_t>(key_cache.const_data_ptr()) % 8 == 0 &&
+                    reinterpret_cast<uintptr_t>(value_cache.const_data_ptr()) % 8 == 0,
+                "reshape_and_cache into an fp8 cache: rows of a multiple of 8 codes, 8-byte aligned caches");
     switch (key.scalar_type()) {
       case at::kBFloat16: return launch_fp8<__nv_bfloat16>(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
       case at::kHalf: return launch_fp8<__half>(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
