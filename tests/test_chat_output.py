@@ -40,7 +40,6 @@ def _calls(m):
     ("hermes", HERMES, "Let me check.\n", [("get_weather", {"city": "Paris"}),
                                            ("get_weather", {"city": "Oslo", "days": 2})]),
     ("hermes", "no tools here", "no tools here", []),
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', None, []),  # cut short
     ("hermes", "<tool_call>{not json}</tool_call> ok", "<tool_call>{not json}</tool_call> ok", []),
     ("qwen3_coder", QWEN3_CODER, None, [("get_weather", {"city": "San Francisco", "days": 3, "hot": True,
                                                          "opts": {"unit": "C"}})]),
@@ -52,10 +51,36 @@ def _calls(m):
 def test_tool_parsers(name, text, content, calls):
     m = _message(TOOL_PARSERS[name](TOOLS), text)
     assert _calls(m) == calls
-    if text.endswith('"Pa'):  # an unterminated call that does not parse is content
-        assert m.content == text
-    else:
-        assert m.content == content
+    assert m.content == content
+
+
+@pytest.mark.parametrize("parser, text, args", [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', '{"city": "Pa'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"days": 2, "ci', '{"days": 2, "ci'),
+    ("qwen3_coder", QWEN3_CODER.split("<parameter=hot>")[0], '{"city": "San Francisco", "days": 3}'),
+])
+def test_a_call_cut_short_keeps_what_was_written(parser, text, args):
+    """max_tokens in the middle of a call: the call stays, with the arguments written (OpenAI's
+    answer too), as its stream showed it."""
+    m = _message(TOOL_PARSERS[parser](TOOLS), text)
+    assert [(c.function.name, c.function.arguments) for c in m.tool_calls] == [("get_weather", args)]
+    assert m.content is None
+
+
+@pytest.mark.parametrize("parser, text, upto, args", [
+    ("hermes", HERMES, '"arguments": {"ci', '{"ci'),
+    ("llama3_json", LLAMA, '"parameters": {"city": "Par', '{"city": "Par'),
+    ("qwen3_coder", QWEN3_CODER, "<parameter=hot>\ntr", '{"city": "San Francisco", "days": 3'),
+    ("required", '[{"name": "get_weather", "parameters": {"city": "A"}}, {"name": "get_weather", "parameters": {',
+     '{"name": "get_weather", "parameters": {"city": "A', '{"city": "A'),
+])
+def test_arguments_stream_as_they_are_written(parser, text, upto, args):
+    """A call's first delta comes once its name is written; its arguments follow while the model
+    writes them, not when the call is complete."""
+    out = ChoiceOutput(None, RequiredToolOutput() if parser == "required" else TOOL_PARSERS[parser](TOOLS))
+    d = out.delta(text[:text.index(upto) + len(upto)], final=False)
+    assert [(c["index"], c["function"]["name"]) for c in d["tool_calls"]] == [(0, "get_weather")]
+    assert d["tool_calls"][0]["function"]["arguments"] == args and d["tool_calls"][0]["id"]
 
 
 @pytest.mark.parametrize("name, text, reasoning, content", [
@@ -88,6 +113,14 @@ def test_required_and_named_outputs():
     (lambda: NamedToolOutput("get_weather"), None, '{"city": "Paris", "days": 3}'),
     (lambda: RequiredToolOutput(), None, '[{"name": "get_weather", "parameters": {"city": "A"}}, '
                                          '{"name": "get_weather", "parameters": {}}]'),
+    (lambda: RequiredToolOutput(), None, '[ {"name": "get_weather", "parameters": {"city": "a \\" } ]"}}, '
+                                         '{"name": "get_weather", "parameters": 3}]'),
+    (lambda: TOOL_PARSERS["hermes"](TOOLS), None, '<tool_call>{"name": "get_weather", "arguments": {"opts": '
+                                                  '{"x": [1, "]}"]}}}</tool_call>'),
+    (lambda: TOOL_PARSERS["hermes"](TOOLS), None, '<tool_call>{"arguments": {"city": "A"}, "name": "get_weather"}'
+                                                  '</tool_call>'),  # name last: read once complete
+    (lambda: TOOL_PARSERS["hermes"](TOOLS), None, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'),
+    (lambda: TOOL_PARSERS["qwen3_coder"](TOOLS), None, QWEN3_CODER.replace("<parameter=days>", "<parameter=city>")),
     (lambda: None, "deepseek_r1", "a</thi</think> b </think"),
 ])
 def test_stream_deltas_add_up_to_the_message(parser, reasoning, text):

@@ -125,13 +125,16 @@ def test_enable_thinking_false_and_tool_choice_none(client):
     assert m.content.strip() == "It is sunny" and m.model_extra["reasoning_content"] is None and not m.tool_calls
 
 
-def test_parallel_tool_calls_false_keeps_one_call_and_reasoning_streams_in_pieces(client):
+def test_parallel_tool_calls_false_keeps_one_call_and_both_stream_in_pieces(client):
     chunks = list(client.chat.completions.create(model=client.models.list().data[0].id, messages=QUESTION,
                                                  tools=TOOLS, temperature=0, max_tokens=40, stream=True,
                                                  parallel_tool_calls=False))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert [d.model_extra.get("reasoning_content") for d in deltas if d.model_extra.get("reasoning_content")]
-    assert sum(len(d.tool_calls or []) for d in deltas) == 1
+    pieces = [tc for d in deltas for tc in d.tool_calls or []]
+    assert {tc.index for tc in pieces} == {0} and sum(1 for tc in pieces if tc.id) == 1  # one call
+    assert len(pieces) > 1 and pieces[0].function.name == "get_weather"  # its arguments came as written
+    assert json.loads("".join(tc.function.arguments or "" for tc in pieces)) == {"city": "Paris"}
 
 
 def test_a_tokenizer_llguidance_cannot_read_is_a_400_not_a_crash(srv, client):

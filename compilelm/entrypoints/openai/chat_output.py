@@ -6,8 +6,8 @@ the tool-call reader: the --tool-call-parser for `tool_choice: auto`, or the rea
 required choice's constrained output. Every reader answers with what is certain about the text
 so far, each answer extending the previous one, so `ChoiceOutput.delta` sends differences: new
 reasoning and content text, a tool call's first delta (index, id, type, name, its arguments so
-far), then more of its arguments (a named choice's arguments stream as the model writes them;
-the parsers' calls arrive complete). A stream's deltas add up to the non-streamed message.
+far), then more of its arguments as the model writes them. A stream's deltas add up to the
+non-streamed message.
 """
 
 from __future__ import annotations

@@ -8,9 +8,7 @@ like the tool parsers (tool_parsers/abstract.py) so the chat code treats all thr
 
 from __future__ import annotations
 
-import json
-
-from compilelm.entrypoints.openai.tool_parsers.abstract import ParsedCall, ParsedOutput, arguments_text
+from compilelm.entrypoints.openai.tool_parsers.abstract import ParsedCall, ParsedOutput, read_json_calls
 from compilelm.sampling_params import StructuredOutputsParams
 
 _NO_ARGUMENTS = {"type": "object", "properties": {}}
@@ -41,21 +39,12 @@ class NamedToolOutput:
 
 
 class RequiredToolOutput:
-    """`[{"name": ..., "parameters": ...}, ...]`: each element once it is complete."""
+    """`[{"name": ..., "parameters": ...}, ...]`: each element once its name is written, its
+    parameters as they are written."""
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
-        calls, decoder = [], json.JSONDecoder()
-        pos = text.find("[") + 1
-        while pos > 0:
-            while pos < len(text) and text[pos] in " \t\r\n,":
-                pos += 1
-            try:
-                obj, pos = decoder.raw_decode(text, pos)
-            except ValueError:
-                break
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-                break
-            calls.append(ParsedCall(obj["name"], arguments_text(obj.get("parameters", {}))))
+        start = text.find("[")
+        calls = [] if start < 0 else read_json_calls(text, start + 1, " \t\r\n,")[0]
         if final and not calls:
-            return ParsedOutput(text)  # cut before the first call was complete
+            return ParsedOutput(text)  # cut before the first call was begun
         return ParsedOutput("", calls)

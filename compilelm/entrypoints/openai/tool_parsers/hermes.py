@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import json
 
-from compilelm.entrypoints.openai.tool_parsers.abstract import ParsedCall, TaggedToolParser, arguments_text
+from compilelm.entrypoints.openai.tool_parsers.abstract import (
+    ParsedCall,
+    TaggedToolParser,
+    arguments_text,
+    read_json_call,
+)
 
 
 class HermesToolParser(TaggedToolParser):
@@ -13,8 +18,13 @@ class HermesToolParser(TaggedToolParser):
     start = "<tool_call>"
     end = "</tool_call>"
 
-    def parse_block(self, body: str) -> ParsedCall | None:
-        try:
+    def read_block(self, body: str, closed: bool) -> ParsedCall | None:
+        read = read_json_call(body)  # name first: the arguments stream as written
+        if read is not None:
+            return read[0]
+        if not closed:
+            return None
+        try:  # another layout, read once complete
             call = json.loads(body.strip())
         except ValueError:
             return None

@@ -4,9 +4,7 @@ content."""
 
 from __future__ import annotations
 
-import json
-
-from compilelm.entrypoints.openai.tool_parsers.abstract import ParsedCall, ParsedOutput, ToolParser, arguments_text
+from compilelm.entrypoints.openai.tool_parsers.abstract import ParsedOutput, ToolParser, read_json_calls
 
 _TAG = "<|python_tag|>"
 
@@ -25,18 +23,7 @@ class Llama3JsonToolParser(ToolParser):
             return ParsedOutput(text)
         if not body:
             return ParsedOutput(text if final else "")
-        calls, pos, decoder = [], 0, json.JSONDecoder()
-        while pos < len(body):
-            try:
-                obj, end = decoder.raw_decode(body, pos)
-            except ValueError:
-                break  # an object still being written (or not JSON)
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-                break
-            calls.append(ParsedCall(obj["name"], arguments_text(obj.get("parameters", obj.get("arguments", {})))))
-            pos = end
-            while pos < len(body) and body[pos] in " \t\r\n;,":
-                pos += 1
+        calls, pos, _ = read_json_calls(body, 0, " \t\r\n;,")
         if final and (not calls or body[pos:].strip()):
             return ParsedOutput(text)  # not (only) calls: vLLM answers the whole text as content
         return ParsedOutput("", calls)

@@ -25,20 +25,24 @@ class Qwen3CoderToolParser(TaggedToolParser):
     start = "<tool_call>"
     end = "</tool_call>"
 
-    def parse_block(self, body: str) -> ParsedCall | None:
+    def read_block(self, body: str, closed: bool) -> ParsedCall | None:
         m = _FUNCTION.search(body)
         if m is None:
             return None
-        name = m.group(1).strip()
+        name, params = m.group(1).strip(), m.group(2)
         schema = self.tools[name].parameters if name in self.tools else None
         properties = (schema or {}).get("properties", {}) if isinstance(schema, dict) else {}
         args = {}
-        for p in _PARAMETER.finditer(m.group(2)):
+        for p in _PARAMETER.finditer(params):
+            if not closed and p.end() == len(params) and not p.group(0).endswith("</parameter>"):
+                break  # its value may still grow
             key, value = p.group(1).strip(), p.group(2)
             value = value[1:] if value.startswith("\n") else value
             value = value[:-1] if value.endswith("\n") else value
-            args[key] = _typed(value, properties.get(key, {}))
-        return ParsedCall(name, json.dumps(args, ensure_ascii=False))
+            args.setdefault(key, _typed(value, properties.get(key, {})))  # (a repeated key: the first)
+        text = json.dumps(args, ensure_ascii=False)
+        # while open, the object without its closing brace: each parameter read extends it
+        return ParsedCall(name, text if closed else text[:-1])
 
 
 def _typed(value: str, schema: dict):
