@@ -160,11 +160,18 @@ def run_one(engine_name: str, model: str, args) -> dict:
         result = f.name
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", engine_name, model, result, *sys.argv[1:]]
     env["BENCH_VS_VLLM_LAUNCHED"] = repr(time.time())  # the worker's start_s counts from here
-    proc = subprocess.run(cmd, env=env, timeout=args.timeout)
-    if proc.returncode != 0 or not os.path.getsize(result):
-        return {"engine": engine_name, "model": model, "error": f"exit code {proc.returncode}"}
+    try:
+        code = subprocess.run(cmd, env=env, timeout=args.timeout).returncode
+        error = None if code == 0 else f"exit code {code}"
+    except subprocess.TimeoutExpired:  # killed; a row written before a hung exit still counts
+        error = f"timed out after {args.timeout:g} s"
+    if not os.path.getsize(result):
+        return {"engine": engine_name, "model": model, "error": error or "no result"}
     with open(result) as f:
-        return json.load(f)
+        row = json.load(f)
+    if error is not None:
+        row["exit"] = error  # measured, but the process did not exit cleanly (e.g. a TP rank's teardown)
+    return row
 
 
 def ratios(rows: list[dict]) -> list[dict]:

@@ -206,6 +206,29 @@ def test_vs_vllm_runs_compilelm_alone_where_vllm_is_absent(tmp_path):
     assert json.loads(out.read_text())["benchmark"] == "bench_vs_vllm"
 
 
+def test_vs_vllm_keeps_a_row_written_before_a_hung_exit(monkeypatch):
+    """A worker that wrote its row and then hung in its exit (a TP rank's teardown) is killed at
+    --timeout: its row counts, flagged; a worker that wrote nothing is an error row, and the
+    driver goes on to the next engine either way."""
+    import subprocess
+
+    def worker(row):
+        def run(cmd, env, timeout):
+            if row is not None:
+                with open(cmd[5], "w") as f:  # --worker ENGINE MODEL RESULT
+                    json.dump(row, f)
+            raise subprocess.TimeoutExpired(cmd, timeout)
+        return run
+
+    args = bench_vs_vllm.parse(["--timeout", "7"])
+    monkeypatch.setattr(subprocess, "run", worker({"engine": "compilelm", "model": "m", "start_s": 1.0}))
+    assert bench_vs_vllm.run_one("compilelm", "m", args) == {
+        "engine": "compilelm", "model": "m", "start_s": 1.0, "exit": "timed out after 7 s"}
+    monkeypatch.setattr(subprocess, "run", worker(None))
+    assert bench_vs_vllm.run_one("compilelm", "m", args) == {
+        "engine": "compilelm", "model": "m", "error": "timed out after 7 s"}
+
+
 def test_vs_vllm_ratio_direction():
     """Advantage > 1 means compilelm ahead: a lower ms/step or start time, a higher tok/s."""
     rows = [{"engine": "compilelm", "model": "m", "decode_ms b1 c1000": 4.0, "prefill_tok_s 16x2000": 30.0},
