@@ -68,15 +68,18 @@ def big_schema(fields: int, salt: str) -> dict:
 def resolve_model_and_tokenizer(args) -> None:
     """Without --model: the default model where its package is installed, else (the GPU machine has
     none) its shape with random weights, `dummy:smollm2-135m`, and its tokenizer from
-    benchmarks/data (the grammars need a real vocabulary; the work does not depend on the weights)."""
-    if args.model is not None:
+    benchmarks/data (the grammars need a real vocabulary; the work does not depend on the weights).
+    Another `dummy:` shape without --tokenizer gets that tokenizer too (its ids are below every
+    preset's vocabulary; the masks refuse the ids past it)."""
+    if args.model is not None and not (args.model.startswith("dummy:") and args.tokenizer is None):
         return
-    from compilelm.models.loader import default_model_path
-    try:
-        default_model_path()
-        return
-    except FileNotFoundError:
-        pass
+    if args.model is None:
+        from compilelm.models.loader import default_model_path
+        try:
+            default_model_path()
+            return
+        except FileNotFoundError:
+            pass
     src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "smollm2_tokenizer")
     folder = tempfile.mkdtemp(prefix="smollm2_tokenizer_")
     for name in ("tokenizer_config.json", "chat_template.jinja"):
@@ -84,7 +87,7 @@ def resolve_model_and_tokenizer(args) -> None:
     with gzip.open(os.path.join(src, "tokenizer.json.gz"), "rb") as f, \
             open(os.path.join(folder, "tokenizer.json"), "wb") as out:
         shutil.copyfileobj(f, out)
-    args.model, args.tokenizer = "dummy:smollm2-135m", args.tokenizer or folder
+    args.model, args.tokenizer = args.model or "dummy:smollm2-135m", args.tokenizer or folder
 
 
 def bench_throughput(args) -> list[dict]:
