@@ -76,8 +76,11 @@ def fp8_linear(x: Tensor, x_scale: Tensor, weight: Tensor, weight_scale: Tensor,
 
 def fp8_linear_ref(x: Tensor, x_scale: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None,
                    out_dtype: torch.dtype) -> Tensor:
-    """The contract: exact fp8 products summed in fp32, scaled per row and column, one rounding."""
-    out = (x.float() @ weight.float().t()) * x_scale.float().reshape(-1, 1) * weight_scale.float().reshape(1, -1)
+    """The contract: fp8 values times their scales, summed in fp32, one rounding. The operands are
+    scaled before the matmul, as torch's CPU `_scaled_mm` and a dequantized W8A8 model compute it,
+    so that the CPU path equals them bit for bit (the kernels scale in their epilogues: equal up
+    to fp32 rounding, which a later layer's fp8 quantization may turn into a one-code change)."""
+    out = (x.float() * x_scale.float().reshape(-1, 1)) @ (weight.float() * weight_scale.float().reshape(-1, 1)).t()
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)
