@@ -60,7 +60,7 @@ class CompilelmEngine:
         overrides = {"num_hidden_layers": args.layers} if args.layers else {}
         self.llm = LLM(model, max_model_len=args.max_model_len, model_overrides=overrides,
                        enforce_eager=args.enforce_eager, seed=0, kv_cache_dtype=args.kv_cache_dtype,
-                       tensor_parallel_size=args.tensor_parallel_size,
+                       tensor_parallel_size=args.tensor_parallel_size, quantization=quantization(args),
                        **step_limits(args))
         self.vocab = self.llm.engine.model_config.vocab_size
         sched = self.llm.engine.config.scheduler
@@ -89,7 +89,8 @@ class VllmEngine:
         self.llm = LLM(model=self.dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                        max_model_len=args.max_model_len, gpu_memory_utilization=0.85, seed=0,
                        enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
-                       tensor_parallel_size=args.tensor_parallel_size, **step_limits(args))
+                       tensor_parallel_size=args.tensor_parallel_size, quantization=quantization(args),
+                       **step_limits(args))
         self.vocab = config["vocab_size"]
         sched = self.llm.llm_engine.vllm_config.scheduler_config
         self.limits = {"max_num_batched_tokens": sched.max_num_batched_tokens, "max_num_seqs": sched.max_num_seqs}
@@ -99,6 +100,11 @@ class VllmEngine:
                   for m in max_tokens]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def quantization(args) -> str | None:
+    """Both engines' `quantization`: None (the model's dtype) or "fp8" (dynamic W8A8 linears)."""
+    return None if args.quantization == "none" else args.quantization
 
 
 def step_limits(args) -> dict:
@@ -125,6 +131,7 @@ def measure(engine_name: str, model: str, args, started: float) -> dict:
     """Every measurement of one engine on one model (in this process)."""
     engine = (VllmEngine if engine_name == "vllm" else CompilelmEngine)(model, args)
     out = {"engine": engine_name, "model": model, "kv_cache_dtype": args.kv_cache_dtype,
+           "quantization": args.quantization,
            "start_s": time.time() - started, **engine.limits, "tensor_parallel_size": args.tensor_parallel_size}
     vocab, seed = engine.vocab, iter(range(1000, 10**6))
     timed(engine, token_prompts(2, (8, 16), vocab, 0), [4, 4])  # warm-up (lazy init, first sizes)
@@ -143,6 +150,8 @@ def measure(engine_name: str, model: str, args, started: float) -> dict:
         out[f"prefill_tok_s {spec}"] = n * length / best
     rng = random.Random(7)
     for name, mix in (SMALL_MIXES if args.small else MIXES).items():
+        if name not in args.mixes:
+            continue
         prompts = token_prompts(mix["n"], mix["prompt"], vocab, next(seed))
         lens = [rng.randint(*mix["output"]) for _ in prompts]
         wall, tokens = timed(engine, prompts, lens, mix["temperature"])
@@ -181,9 +190,9 @@ def ratios(rows: list[dict]) -> list[dict]:
     for model in dict.fromkeys(r["model"] for r in rows):
         ours = next((r for r in rows if r["model"] == model and r["engine"] == "compilelm"), {})
         peer = next((r for r in rows if r["model"] == model and r["engine"] == "vllm"), {})
-        # (kv_cache_dtype and tensor_parallel_size: both engines ran with them, recorded in the rows)
+        # (kv_cache_dtype, quantization, tensor_parallel_size: both engines ran with them, in the rows)
         for metric in [k for k in ours if k not in ("engine", "model", "error", "kv_cache_dtype",
-                                                    "tensor_parallel_size")]:
+                                                    "quantization", "tensor_parallel_size")]:
             a, b = ours[metric], peer.get(metric)
             lower_is_better = metric.startswith(("decode_ms", "start_s"))
             settings = metric in ("max_num_batched_tokens", "max_num_seqs")  # each engine's own: what ran
@@ -202,6 +211,7 @@ def parse(argv=None):
     ap.add_argument("--decode-steps", type=int, nargs=2, default=[16, 80])
     ap.add_argument("--prefill", nargs="+", default=["16x2000", "4x8000"], help="NxLENGTH prompt batches")
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--mixes", nargs="*", choices=list(MIXES), default=list(MIXES), help="offline throughput mixes")
     ap.add_argument("--max-model-len", type=int, default=16384 + 128)
     ap.add_argument("--layers", type=int, default=None, help="cut every model to this many layers")
     ap.add_argument("--small", action="store_true", help="tiny mixes (CPU smoke test)")
@@ -213,6 +223,8 @@ def parse(argv=None):
                     help="compilelm's prefill attention: the Triton kernel, or paged_attention's mma.sync one (A/B)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
                     help="both engines' KV cache: the model's dtype, or fp8 (e4m3, scales 1.0)")
+    ap.add_argument("--quantization", "-q", default="none", choices=("none", "fp8"),
+                    help="both engines' linears: the model's dtype, or fp8 (dynamic W8A8, each engine's own scales)")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="both engines' GPUs per model")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default=None)

@@ -32,7 +32,7 @@ def environment() -> dict:
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:
-    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    widths = {c: max([len(c), *(len(_fmt(r.get(c))) for r in rows)]) for c in columns}
     print("  ".join(c.ljust(widths[c]) for c in columns))
     print("  ".join("-" * widths[c] for c in columns))
     for r in rows:

@@ -6,9 +6,11 @@
 #   call 1, carrying .vllm/part0 (+ COMMIT):   bash scripts/gpu_vs_vllm.sh part0 [CMD...]
 #       copies vLLM's first half to /tmp/vp, builds compilelm (unless compilelm/_C for this
 #       Python is there), then runs CMD (e.g. the GPU tier) while nothing else waits on it
-#   call 2, at once, carrying .vllm/part1:     bash scripts/gpu_vs_vllm.sh part1 [bench_vs_vllm args...]
-#       unpacks vLLM to /tmp/vllm_site, runs bench_prefill_attention (with FA3) and
-#       bench_vs_vllm, JSON into $OUT
+#   call 2, at once, carrying .vllm/part1:
+#       bash scripts/gpu_vs_vllm.sh part1 [--no-attention] [bench_vs_vllm args... [:: args of another run...]]
+#       unpacks vLLM to /tmp/vllm_site, runs bench_prefill_attention (with FA3; not with
+#       --no-attention) and bench_vs_vllm once per "::"-separated argument list, JSON into $OUT
+#       (bench_vs_vllm.json, bench_vs_vllm_1.json, ...)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_vs_vllm}
@@ -33,9 +35,21 @@ case $stage in
   part1)
     cp .vllm/part1/* /tmp/vp/ && mkdir -p /tmp/vllm_site && cat /tmp/vp/site.tar.xz.part* | tar -xJ -C /tmp/vllm_site \
       || { echo "vLLM not unpacked: was part0 copied by the call just before?"; exit 1; }
-    timeout 150 python3 benchmarks/bench_prefill_attention.py --vllm-site /tmp/vllm_site \
-      --out "$OUT/bench_prefill_attention.json" 2>&1 | tail -14
-    python3 benchmarks/bench_vs_vllm.py --vllm-site /tmp/vllm_site --out "$OUT/bench_vs_vllm.json" "$@" 2>&1 \
-      | grep -v "it/s\]$" | grep -E "^dummy|^model|^---|^\{|rror" ;;
+    if [ "${1:-}" = --no-attention ]; then shift; else
+      timeout 150 python3 benchmarks/bench_prefill_attention.py --vllm-site /tmp/vllm_site \
+        --out "$OUT/bench_prefill_attention.json" 2>&1 | tail -14
+    fi
+    # several bench_vs_vllm runs: their argument lists separated by "::", JSON in bench_vs_vllm[_N].json
+    n=0; runs=(); cur=()
+    for a in "$@" ::; do
+      if [ "$a" = :: ]; then runs+=("${cur[*]:-}"); cur=(); else cur+=("$a"); fi
+    done
+    for r in "${runs[@]}"; do
+      out="$OUT/bench_vs_vllm.json"; [ $n -gt 0 ] && out="$OUT/bench_vs_vllm_$n.json"
+      # shellcheck disable=SC2086  # each run's arguments, word-split as given
+      python3 benchmarks/bench_vs_vllm.py --vllm-site /tmp/vllm_site --out "$out" $r 2>&1 \
+        | grep -v "it/s\]$" | grep -E "^dummy|^model|^---|^\{|rror"
+      n=$((n + 1))
+    done ;;
   *) echo "unknown stage $stage (part0 or part1)"; exit 2 ;;
 esac

@@ -231,8 +231,9 @@ def test_vs_vllm_keeps_a_row_written_before_a_hung_exit(monkeypatch):
 
 def test_vs_vllm_ratio_direction():
     """Advantage > 1 means compilelm ahead: a lower ms/step or start time, a higher tok/s."""
-    rows = [{"engine": "compilelm", "model": "m", "decode_ms b1 c1000": 4.0, "prefill_tok_s 16x2000": 30.0},
-            {"engine": "vllm", "model": "m", "decode_ms b1 c1000": 5.0, "prefill_tok_s 16x2000": 40.0}]
+    same = {"quantization": "fp8", "kv_cache_dtype": "auto", "tensor_parallel_size": 1}  # settings, not metrics
+    rows = [{"engine": "compilelm", "model": "m", **same, "decode_ms b1 c1000": 4.0, "prefill_tok_s 16x2000": 30.0},
+            {"engine": "vllm", "model": "m", **same, "decode_ms b1 c1000": 5.0, "prefill_tok_s 16x2000": 40.0}]
     adv = {r["metric"]: r["compilelm_advantage"] for r in bench_vs_vllm.ratios(rows)}
     assert adv == {"decode_ms b1 c1000": 1.25, "prefill_tok_s 16x2000": 0.75}
 
