@@ -12,7 +12,8 @@ weight scales, the matmul of compilelm/layers/quantization/fp8.py's Fp8LinearMet
 `compilelm::fp8_linear` (schema in csrc/ops.cpp) is the layer's op; on CUDA it picks the kernel by
 the row count M of each call, so a compiled graph replayed in a CUDA graph per batch size runs the
 kernel of that size:
-  - M <= STREAM_MAX_ROWS: `compilelm::fp8_stream_mm` (csrc/cuda/fp8_stream_mm.cu), the weight
+  - M <= 8 (STREAM_DEFAULT_ROWS; the kernel takes up to 16): `compilelm::fp8_stream_mm`
+    (csrc/cuda/fp8_stream_mm.cu), the weight
     streamed once with 16-byte loads, fp8 mma.sync on tensor cores, scales in the epilogue;
   - M <= TRITON_MAX_ROWS on sm_90: `fp8_mm_triton` below, TMA loads + wgmma (the weight tile as
     the A operand, x's rows the narrow N extent, as compilelm/ops/hopper_gemm.py), scales and bias
@@ -45,11 +46,15 @@ except ImportError:  # CPU builds of torch ship without Triton
     triton = None
 
 STREAM_MAX_ROWS = 16  # fp8_stream_mm's limit (kMaxRows in csrc/cuda/fp8_stream_mm.cu)
+# ... and where the route hands over to the Triton kernel: bench_fp8_gemm on an H200, Llama-3.1-8B's
+# four linears, has the stream kernel ahead at 1-8 rows on three of them and the Triton kernel
+# 1.1-1.26x ahead of it on all four at 16 (its second 8-row mma tile costs what a wgmma tile hides)
+STREAM_DEFAULT_ROWS = 8
 # its quant prologue's (kMaxQuantRows, kMaxQuantBytes): M x K bytes of quantized rows in dynamic shared
 # memory beside the kernel's static arrays, past the default 48 KiB a block gets (the launch raises it)
 QUANT_MAX_ROWS, QUANT_MAX_ELEMENTS = 8, 48 * 1024
 TRITON_MAX_ROWS = 64  # the Triton kernel's BM is at most 64
-_routes = {"stream": STREAM_MAX_ROWS, "triton": TRITON_MAX_ROWS}
+_routes = {"stream": STREAM_DEFAULT_ROWS, "triton": TRITON_MAX_ROWS}
 
 
 def set_fp8_routes(stream_max_rows: int | None = None, triton_max_rows: int | None = None) -> tuple[int, int]:
