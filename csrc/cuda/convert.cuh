@@ -48,4 +48,10 @@ __device__ __forceinline__ float2 fp8x2_to_float2(uint16_t codes) {
   return __half22float2(__half2(h));
 }
 
+// The same two codes as one f16x2 register (the low code in the low half): one cvt, exact.
+__device__ __forceinline__ uint32_t fp8x2_to_half2_bits(uint16_t codes) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(codes), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
 }  // namespace compilelm::cuda

@@ -50,10 +50,10 @@ SplitParams launch_paged_attention_decode(const AttentionParams& p, const at::Te
                                           int64_t max_context, at::Tensor& workspace);
 bool prefill_supported(at::ScalarType dtype, int head_size, int group);
 // The decode launcher's tensor-core kernel (paged_attention_decode_mma.cu), for its launches
-// outside clusters where supported and turned on (compilelm::set_decode_mma): one program per
-// (row, kv head) x num_splits, `programs` of them.
+// outside clusters where supported and turned on (compilelm::set_decode_mma), model-dtype and
+// FP8 caches (p.fp8_cache): one program per (row, kv head) x num_splits, `programs` of them.
 bool decode_mma_supported(at::ScalarType dtype, int head_size, int group);
-int64_t decode_mma_resident_programs(at::ScalarType dtype, int head_size);
+int64_t decode_mma_resident_programs(at::ScalarType dtype, int head_size, bool fp8_cache);
 void launch_paged_attention_decode_mma(const AttentionParams& p, const SplitParams& s, at::ScalarType dtype,
                                        int64_t programs);
 // prefill_rows=false: the padding and merges only, the q_len > 1 rows left to the caller.

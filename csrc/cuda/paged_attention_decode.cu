@@ -21,15 +21,15 @@
 // num_splits comes from shapes only (never from seq_lens values), so the launch is CUDA-graph
 // capturable.
 //
-// Launches outside clusters of bf16/fp16 caches (head_size 64/128, groups up to 16 heads) run the
-// tensor-core kernel of paged_attention_decode_mma.cu instead (same programs, splits and merges;
-// compilelm::set_decode_mma(False) keeps them here).
+// Launches outside clusters of bf16/fp16 queries (head_size 64/128, groups up to 16 heads; model-
+// dtype or FP8 caches) run the tensor-core kernel of paged_attention_decode_mma.cu instead (same
+// programs, splits and merges; compilelm::set_decode_mma(False) keeps them here).
 //
 // FP8 KV caches (C = __nv_fp8_e4m3, queries of T): a 16-byte load holds 16 codes of a row, widened
 // to fp32 in registers (two per conversion: attention_common.cuh); k_scale is folded into the
 // softmax scale (p.scale_log2) and v_scale multiplies each normalized output (p.v_scale, 1 for
 // model-dtype caches). A program holds at most 4 query heads (GP) with an fp8 cache: its query
-// and accumulator rows are twice as long per lane. Never on tensor cores, never with kRope.
+// and accumulator rows are twice as long per lane. Never with kRope.
 //
 // RoPE inside (kRope, rope_paged_attention): in the cluster launches of a pure-decode batch the
 // kernel takes the QKV projection's output as it is: each program rotates its heads' query rows
@@ -564,9 +564,10 @@ SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_r
   }
   // on tensor cores (paged_attention_decode_mma.cu) where supported: one program per kv head
   const at::ScalarType dtype = query.scalar_type();
-  const bool mma = !p.fp8_cache && decode_mma_supported(dtype, p.head_size, p.group);  // model-dtype caches only
+  const bool mma = decode_mma_supported(dtype, p.head_size, p.group);
   const int64_t mma_programs = static_cast<int64_t>(rows) * p.num_kv_heads;
-  const int splits = mma ? choose_num_splits(mma_programs, decode_mma_resident_programs(dtype, p.head_size),
+  const int splits = mma ? choose_num_splits(mma_programs,
+                                             decode_mma_resident_programs(dtype, p.head_size, p.fp8_cache),
                                              max_context, kMaxSplits)
                          : choose_num_splits(programs, resident_programs<T, C, D, GP>(), max_context, kMaxSplits);
   SplitParams s{all_rows, splits, nullptr, nullptr, nullptr};

@@ -1,6 +1,6 @@
 // Paged attention for single query rows (decode) on tensor cores: the launches of
-// paged_attention_decode.cu that fill the GPU (outside thread block clusters), bf16/fp16,
-// head_size 64/128, GQA groups of up to 16 heads.
+// paged_attention_decode.cu that fill the GPU (outside thread block clusters), bf16/fp16 queries,
+// bf16/fp16 or FP8 (e4m3) caches, head_size 64/128, GQA groups of up to 16 heads.
 //
 // A program = (query row, kv head, split), as in the CUDA-core kernel. The group's query heads
 // are the 16 rows of an mma.sync m16n8k16 A operand (rows past the group: zeros), so S = Q K^T
@@ -14,6 +14,13 @@
 // are rounded to the operand type before P @ V. RoPE stays out of this kernel (rope_and_cache runs
 // before it): inside, it cost more than the kernel it saves. Measurements: docs/perf.md, "Paged
 // attention".
+//
+// FP8 caches (C = __nv_fp8_e4m3): the ring holds the codes (16 a 16-byte copy: half a 16-bit
+// tile's bytes), and each warp widens its landed tile into one staging tile of fp16 (a cvt per two
+// codes; e4m3 is a subset of fp16, so exact) that the same ldmatrix + mma code reads. Both
+// products then run in fp16: the queries rounded to fp16 (clamped to its range), the softmax
+// weights P in fp16 (finer than bf16). k_scale is folded into the softmax scale (p.scale_log2),
+// v_scale multiplies the output, as in the CUDA-core kernel.
 //
 // The key loop is partly bound by instruction issue, so a tile that starts on a cache block's
 // boundary (block_size a multiple of 16, as the engine's 16) loads its block-table entry once and
@@ -34,21 +41,47 @@ constexpr int kWarps = 4;
 constexpr int kTileKeys = 16;  // keys per tile: the n of S = Q K^T, the k of O += P V
 constexpr int kRows = 16;      // query heads of a program, at most (the m of both products)
 constexpr int kStages = 3;     // tiles of a warp's ring: two in flight while one is computed
-constexpr int kPad = 8;        // elements per shared row: 8 consecutive rows hit distinct banks
+constexpr int kPad = 8;        // fp16/bf16 elements per shared row: 8 consecutive rows hit distinct banks
 
-template <int D>
-constexpr int smem_bytes() {  // kStages tiles of K and of V per warp (16-bit types)
-  return kWarps * kStages * 2 * kTileKeys * (D + kPad) * 2;
+template <typename C>
+constexpr int ring_stride(int d) {  // elements of a ring row: 16 bytes of padding, as kPad
+  return d + 16 / static_cast<int>(sizeof(C));
 }
-static_assert(smem_bytes<64>() >= kWarps * kRows * 64 * 4, "the warps' states reuse the ring");
+template <typename C, int D>
+constexpr int ring_bytes() {  // kStages tiles of K and of V per warp, in the cache's type
+  return kWarps * kStages * 2 * kTileKeys * ring_stride<C>(D) * static_cast<int>(sizeof(C));
+}
+template <typename C, int D>
+constexpr int smem_bytes() {  // the rings, then (FP8 caches) a staging tile of K and of V per warp, in fp16
+  return ring_bytes<C, D>() + (sizeof(C) == 1 ? kWarps * 2 * kTileKeys * (D + kPad) * 2 : 0);
+}
+static_assert(smem_bytes<__half, 64>() >= kWarps * kRows * 64 * 4, "the warps' states reuse the ring");
+static_assert(smem_bytes<__nv_fp8_e4m3, 64>() >= kWarps * kRows * 64 * 4, "the warps' states reuse the ring");
 
 __device__ __forceinline__ uint32_t load_pair(const void* ptr) { return *static_cast<const uint32_t*>(ptr); }
 
-template <typename T, int D>
+// Two query elements as one register of the products' type Op (the low element first): as they
+// are, or (FP8 caches, bf16 queries) rounded to fp16, clamped to its finite range.
+template <typename Op, typename T>
+__device__ __forceinline__ uint32_t load_query_pair(const T* ptr) {
+  if constexpr (std::is_same_v<Op, T>) {
+    return load_pair(ptr);
+  } else {
+    constexpr float kMax = 65504.f;
+    return pack<Op>(fminf(fmaxf(to_float(ptr[0]), -kMax), kMax), fminf(fmaxf(to_float(ptr[1]), -kMax), kMax));
+  }
+}
+
+// T: the queries' and output's type; C: the cache's (T, or __nv_fp8_e4m3).
+template <typename T, typename C, int D>
 __global__ void __launch_bounds__(kWarps * 32)
     paged_attention_decode_mma_kernel(const AttentionParams p, const SplitParams s) {
-  constexpr int kStride = D + kPad;
-  constexpr int kChunks = D / 8;  // 16-byte chunks of a row
+  constexpr bool kFp8 = sizeof(C) == 1;
+  using Op = std::conditional_t<kFp8, __half, T>;  // the products' operand type
+  constexpr int kStride = D + kPad;                // of a tile the products read (Op)
+  constexpr int kCStride = ring_stride<C>(D);      // of a ring tile (C)
+  constexpr int kChunkElems = 16 / static_cast<int>(sizeof(C));
+  constexpr int kChunks = D / kChunkElems;  // 16-byte chunks of a cache row
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float s_m[kWarps][kRows], s_l[kWarps][kRows];
   __shared__ float s_weight[kRows][kMaxSplits];  // the last split's merge weights
@@ -68,10 +101,13 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int my_tiles = tiles > warp ? (tiles - warp + kWarps - 1) / kWarps : 0;
 
   const int32_t* block_table = p.block_tables + static_cast<int64_t>(located ? seq : 0) * p.max_blocks;
-  const T* key_cache = static_cast<const T*>(p.key_cache) + kv_head * p.head_stride;
-  const T* value_cache = static_cast<const T*>(p.value_cache) + kv_head * p.head_stride;
-  T* s_k = reinterpret_cast<T*>(smem) + warp * kStages * 2 * kTileKeys * kStride;  // [kStages][kTileKeys][kStride]
-  T* s_v = s_k + kStages * kTileKeys * kStride;
+  const C* key_cache = static_cast<const C*>(p.key_cache) + kv_head * p.head_stride;
+  const C* value_cache = static_cast<const C*>(p.value_cache) + kv_head * p.head_stride;
+  C* s_k = reinterpret_cast<C*>(smem) + warp * kStages * 2 * kTileKeys * kCStride;  // [kStages][kTileKeys][kCStride]
+  C* s_v = s_k + kStages * kTileKeys * kCStride;
+  // FP8: the warp's widened K and V tiles, [kTileKeys][kStride] each, after every warp's ring
+  Op* s_k16 = reinterpret_cast<Op*>(smem + ring_bytes<C, D>()) + warp * 2 * kTileKeys * kStride;
+  Op* s_v16 = s_k16 + kTileKeys * kStride;
 
   const auto first_key = [&](int i) { return begin + (warp + i * kWarps) * kTileKeys; };  // of the warp's tile i
   // Tiles that start on a cache block's boundary lie in one block (block_size a multiple of the
@@ -79,7 +115,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   // where the general path divides every row's key by block_size (the key loop's issue slots).
   const bool block_tiles = p.block_size % kTileKeys == 0 && begin % kTileKeys == 0;
   constexpr int kRowsPerPass = 32 / kChunks;  // rows of a tile one pass of the warp's lanes covers
-  const int64_t lane_offset = (lane / kChunks) * p.slot_stride + (lane % kChunks) * 8;
+  const int64_t lane_offset = (lane / kChunks) * p.slot_stride + (lane % kChunks) * kChunkElems;
   const auto load_tile = [&](int i) {  // rows past `end` are zero-filled, their scores masked
     const int key0 = first_key(i), stage = i % kStages;
     if (block_tiles) {
@@ -89,7 +125,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       for (int pass = 0; pass < kTileKeys / kRowsPerPass; ++pass) {
         const int j = pass * kRowsPerPass + lane / kChunks;
         const int64_t offset = base + static_cast<int64_t>(pass * kRowsPerPass) * p.slot_stride;
-        const int dst = (stage * kTileKeys + j) * kStride + (lane % kChunks) * 8;
+        const int dst = (stage * kTileKeys + j) * kCStride + (lane % kChunks) * kChunkElems;
         const bool valid = key0 + j < end;
         cp_async_16(s_k + dst, key_cache + offset, valid);
         cp_async_16(s_v + dst, value_cache + offset, valid);
@@ -102,9 +138,9 @@ __global__ void __launch_bounds__(kWarps * 32)
       const bool valid = key < end;
       int64_t offset = 0;
       if (valid) offset = block_table[key / p.block_size] * p.block_stride + key % p.block_size * p.slot_stride;
-      const int dst = (stage * kTileKeys + j) * kStride + piece * 8;
-      cp_async_16(s_k + dst, key_cache + offset + piece * 8, valid);
-      cp_async_16(s_v + dst, value_cache + offset + piece * 8, valid);
+      const int dst = (stage * kTileKeys + j) * kCStride + piece * kChunkElems;
+      cp_async_16(s_k + dst, key_cache + offset + piece * kChunkElems, valid);
+      cp_async_16(s_v + dst, value_cache + offset + piece * kChunkElems, valid);
     }
   };
   // the ring's first kStages - 1 tiles, one commit group each (empty past my_tiles): before the
@@ -138,10 +174,28 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = group_row + 8 * h;
-      q_frag[ks][h] = r < num_q ? load_pair(query + r * D + ks * 16) : 0u;
-      q_frag[ks][h + 2] = r < num_q ? load_pair(query + r * D + ks * 16 + 8) : 0u;
+      q_frag[ks][h] = r < num_q ? load_query_pair<Op>(query + r * D + ks * 16) : 0u;
+      q_frag[ks][h + 2] = r < num_q ? load_query_pair<Op>(query + r * D + ks * 16 + 8) : 0u;
     }
   }
+  // FP8: a landed ring tile (codes) widened into the staging tile (fp16), 16 codes a lane a step
+  const auto widen_tile = [&](const C* src, Op* dst) {
+#pragma unroll
+    for (int c = lane; c < kTileKeys * kChunks; c += 32) {
+      const int j = c / kChunks, piece = c % kChunks;
+      const uint4 codes = *reinterpret_cast<const uint4*>(src + j * kCStride + piece * kChunkElems);
+      const uint32_t w[4] = {codes.x, codes.y, codes.z, codes.w};
+      uint32_t h[8];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        h[2 * i] = fp8x2_to_half2_bits(static_cast<uint16_t>(w[i] & 0xffffu));
+        h[2 * i + 1] = fp8x2_to_half2_bits(static_cast<uint16_t>(w[i] >> 16));
+      }
+      uint4* out = reinterpret_cast<uint4*>(dst + j * kStride + piece * kChunkElems);
+      out[0] = make_uint4(h[0], h[1], h[2], h[3]);
+      out[1] = make_uint4(h[4], h[5], h[6], h[7]);
+    }
+  };
 
   float o[D / 8][4] = {};  // O of rows (group, group + 8) x elements 8 dt + 2 quad (+1)
   float m[2] = {-INFINITY, -INFINITY}, l_sum[2] = {0.f, 0.f};
@@ -150,8 +204,18 @@ __global__ void __launch_bounds__(kWarps * 32)
     cp_async_commit();
     cp_async_wait<kStages - 1>();  // tile i has landed (this lane's copies) ...
     __syncwarp();                  // ... and every lane's
-    const T* k_tile = s_k + (i % kStages) * kTileKeys * kStride;
-    const T* v_tile = s_v + (i % kStages) * kTileKeys * kStride;
+    const Op* k_tile;
+    const Op* v_tile;
+    if constexpr (kFp8) {
+      widen_tile(s_k + (i % kStages) * kTileKeys * kCStride, s_k16);
+      widen_tile(s_v + (i % kStages) * kTileKeys * kCStride, s_v16);
+      __syncwarp();  // the staging tiles are whole
+      k_tile = s_k16;
+      v_tile = s_v16;
+    } else {
+      k_tile = s_k + (i % kStages) * kTileKeys * kCStride;
+      v_tile = s_v + (i % kStages) * kTileKeys * kCStride;
+    }
 
     // S = Q K^T: [16 rows x 16 keys] as two accumulator tiles of 8 keys
     float sc[2][4] = {};
@@ -159,8 +223,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int ks = 0; ks < D / 16; ++ks) {
       uint32_t b[4];
       ldmatrix_x4(b, k_tile + ((lane / 16) * 8 + lane % 8) * kStride + ks * 16 + ((lane / 8) % 2) * 8);
-      mma<T>(sc[0], q_frag[ks], b[0], b[1]);
-      mma<T>(sc[1], q_frag[ks], b[2], b[3]);
+      mma<Op>(sc[0], q_frag[ks], b[0], b[1]);
+      mma<Op>(sc[1], q_frag[ks], b[2], b[3]);
     }
     const int key0 = first_key(i);
 #pragma unroll
@@ -176,16 +240,16 @@ __global__ void __launch_bounds__(kWarps * 32)
     online_softmax_step(sc, o, m, l_sum);
 
     // O += P V: the two accumulator tiles of P are the A fragment of the product
-    const uint32_t a[4] = {pack<T>(sc[0][0], sc[0][1]), pack<T>(sc[0][2], sc[0][3]), pack<T>(sc[1][0], sc[1][1]),
-                           pack<T>(sc[1][2], sc[1][3])};
+    const uint32_t a[4] = {pack<Op>(sc[0][0], sc[0][1]), pack<Op>(sc[0][2], sc[0][3]), pack<Op>(sc[1][0], sc[1][1]),
+                           pack<Op>(sc[1][2], sc[1][3])};
 #pragma unroll
     for (int dp = 0; dp < D / 16; ++dp) {
       uint32_t b[4];
       ldmatrix_x4_trans(b, v_tile + (((lane / 8) % 2) * 8 + lane % 8) * kStride + dp * 16 + (lane / 16) * 8);
-      mma<T>(o[2 * dp], a, b[0], b[1]);
-      mma<T>(o[2 * dp + 1], a, b[2], b[3]);
+      mma<Op>(o[2 * dp], a, b[0], b[1]);
+      mma<Op>(o[2 * dp + 1], a, b[2], b[3]);
     }
-    __syncwarp();  // every lane is done with this stage before a later load refills it
+    __syncwarp();  // every lane is done with this stage (and the staging tiles) before they are refilled
   }
   cp_async_wait<0>();  // the ring's trailing empty groups
 
@@ -210,35 +274,53 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
   __syncthreads();
   merge_warp_states<kWarps, kRows, D>(num_q, s_acc, s_m, s_l, [&](int g, int d, float out, float lse) {
-    store_decode_output<T>(p, s, row, token, head0 + g, split, d, out, lse);
+    // FP8 caches: values = code * v_scale (1 otherwise: exact)
+    store_decode_output<T>(p, s, row, token, head0 + g, split, d, out * p.v_scale, lse);
   });
   merge_if_last_split<T>(p, s, row, token, num_keys, head0, num_q, active, s_last, &s_weight[0][0]);
 }
 
-template <typename T, int D>
+template <typename T, typename C, int D>
 void configure() {  // more than 48 KB of dynamic shared memory is opt-in
   static const bool configured = [] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(paged_attention_decode_mma_kernel<T, D>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<D>()));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(paged_attention_decode_mma_kernel<T, C, D>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<C, D>()));
     return true;
   }();
   (void)configured;
 }
 
-template <typename T, int D>
+template <typename T, typename C, int D>
 int64_t resident_programs() {
   static const int64_t capacity = [] {
-    configure<T, D>();  // (the shared-memory limit the occupancy depends on)
-    return resident_blocks(paged_attention_decode_mma_kernel<T, D>, kWarps * 32, smem_bytes<D>());
+    configure<T, C, D>();  // (the shared-memory limit the occupancy depends on)
+    return resident_blocks(paged_attention_decode_mma_kernel<T, C, D>, kWarps * 32, smem_bytes<C, D>());
   }();
   return capacity;
 }
 
-template <typename T, int D>
+template <typename T, typename C, int D>
 void launch(const AttentionParams& p, const SplitParams& s, int64_t programs) {
-  configure<T, D>();
-  launch_kernel(paged_attention_decode_mma_kernel<T, D>, dim3(static_cast<unsigned>(programs), s.num_splits),
-                kWarps * 32, smem_bytes<D>(), c10::cuda::getCurrentCUDAStream(), p, s);
+  configure<T, C, D>();
+  launch_kernel(paged_attention_decode_mma_kernel<T, C, D>, dim3(static_cast<unsigned>(programs), s.num_splits),
+                kWarps * 32, smem_bytes<C, D>(), c10::cuda::getCurrentCUDAStream(), p, s);
+}
+
+// (query type T) x (cache: T, or fp8) x head_size
+template <typename T>
+int64_t resident_programs_of(int head_size, bool fp8_cache) {
+  if (fp8_cache) return head_size == 64 ? resident_programs<T, __nv_fp8_e4m3, 64>()
+                                        : resident_programs<T, __nv_fp8_e4m3, 128>();
+  return head_size == 64 ? resident_programs<T, T, 64>() : resident_programs<T, T, 128>();
+}
+
+template <typename T>
+void launch_of(const AttentionParams& p, const SplitParams& s, int64_t programs) {
+  if (p.fp8_cache) {
+    return p.head_size == 64 ? launch<T, __nv_fp8_e4m3, 64>(p, s, programs)
+                             : launch<T, __nv_fp8_e4m3, 128>(p, s, programs);
+  }
+  return p.head_size == 64 ? launch<T, T, 64>(p, s, programs) : launch<T, T, 128>(p, s, programs);
 }
 
 }  // namespace
@@ -248,18 +330,15 @@ bool decode_mma_supported(at::ScalarType dtype, int head_size, int group) {
          (head_size == 64 || head_size == 128) && group <= kRows;
 }
 
-int64_t decode_mma_resident_programs(at::ScalarType dtype, int head_size) {
-  if (dtype == at::kBFloat16) return head_size == 64 ? resident_programs<__nv_bfloat16, 64>()
-                                                     : resident_programs<__nv_bfloat16, 128>();
-  return head_size == 64 ? resident_programs<__half, 64>() : resident_programs<__half, 128>();
+int64_t decode_mma_resident_programs(at::ScalarType dtype, int head_size, bool fp8_cache) {
+  return dtype == at::kBFloat16 ? resident_programs_of<__nv_bfloat16>(head_size, fp8_cache)
+                                : resident_programs_of<__half>(head_size, fp8_cache);
 }
 
 void launch_paged_attention_decode_mma(const AttentionParams& p, const SplitParams& s, at::ScalarType dtype,
                                        int64_t programs) {
-  if (dtype == at::kBFloat16) {
-    return p.head_size == 64 ? launch<__nv_bfloat16, 64>(p, s, programs) : launch<__nv_bfloat16, 128>(p, s, programs);
-  }
-  return p.head_size == 64 ? launch<__half, 64>(p, s, programs) : launch<__half, 128>(p, s, programs);
+  if (dtype == at::kBFloat16) return launch_of<__nv_bfloat16>(p, s, programs);
+  launch_of<__half>(p, s, programs);
 }
 
 }  // namespace compilelm::cuda

@@ -120,7 +120,7 @@ def _check(out, ref, cu):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("head_size", [64, 128, 256])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 8), (32, 8), (16, 2)])  # groups 1, 4, 8 (two programs of 4)
-def test_decode_kernel_pure_decode(dtype, head_size, heads, kv_heads):
+def test_decode_kernel_pure_decode(dtype, head_size, heads, kv_heads, decode_kernel):
     # batch 1 short (clusters), batch 1 long (split-K), batch 16 (no split / split), mixed lengths
     for q_lens, contexts in (([1], [40]), ([1], [6000]), ([1] * 16, [300 * i + 5 for i in range(16)]),
                              ([1] * 4, [5000, 2000, 9, 777])):
@@ -132,8 +132,9 @@ def test_decode_kernel_pure_decode(dtype, head_size, heads, kv_heads):
             _check(out, ref, cu)
 
 
-def test_decode_llama_8b_shape_at_16k():
-    """The benchmark's case: batch 16 at context 16000, 32 query / 8 kv heads of 128, bf16."""
+def test_decode_llama_8b_shape_at_16k(decode_kernel):
+    """The benchmark's case: batch 16 at context 16000, 32 query / 8 kv heads of 128, bf16 (outside
+    clusters: on tensor cores, widened to fp16 in shared memory, or on CUDA cores)."""
     q, kc, vc, cu, seq_lens, tables = _batch([1] * 16, [16000 - i for i in range(16)], 32, 8, 128)
     ref = paged_attention_ref(q, kc, vc, cu, seq_lens, tables, 128 ** -0.5, 0.1, 0.02)
     for max_query_len in (1, 0):
@@ -154,7 +155,7 @@ def test_decode_split_k_merges(cluster_merge):
 
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 8), (32, 8), (16, 2)])
-def test_mixed_batch_with_prior_context(head_size, heads, kv_heads):
+def test_mixed_batch_with_prior_context(head_size, heads, kv_heads, decode_kernel):
     """Decode rows, a fresh prefill and chunks after a cached context: paged_attention alone
     (prefill rows through the decode kernel), and the engine's split: Triton prefill_attention for
     the prefill rows beside paged_attention(prefill_rows=False)."""
