@@ -142,6 +142,25 @@ def _run(engine, requests):
     return outs, updates
 
 
+def test_a_wider_model_than_its_tokenizer_keeps_the_tokenizers_eos():
+    """A model config whose end-of-sequence ids lie past a tokenizer it shares (a random-weight
+    Qwen3 shape run with SmolLM2's tokenizer): masks are built with the tokenizer's own eos, over
+    the model's wider vocabulary; with no eos of the tokenizer, a clear GrammarError."""
+    from compilelm.models.loader import resolve_model
+    from compilelm.models.tokenizer import load_tokenizer
+    from compilelm.runtime.structured_output import GuidanceBackend
+
+    tok = load_tokenizer(resolve_model(None))
+    backend = GuidanceBackend(tok, 151936, [151645, tok.eos_token_id])
+    m = backend.matcher(S(choice=["yes"]))
+    assert m.consume_tokens(tok.encode("yes", add_special_tokens=False))
+    mask = fill_token_bitmask(backend.mask_executor(), [m], backend.mask_vocab, pin=False)
+    allowed = [t for t in range(backend.mask_vocab) if mask[0, t // 32] >> (t % 32) & 1]
+    assert allowed == [tok.eos_token_id] and backend.mask_vocab >= 151936
+    with pytest.raises(GrammarError, match="end-of-sequence token of the tokenizer"):
+        GuidanceBackend(tok, 151936, [151645]).matcher(S(regex="a"))
+
+
 def test_constrained_outputs_follow_their_grammar_sync_and_async(engines):
     (sync, _), (asyn, updates) = (_run(e, _requests()) for e in engines)
     assert sync == asyn

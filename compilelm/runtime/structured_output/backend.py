@@ -114,14 +114,26 @@ def _ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids: list[int]):
         raise GrammarError("structured outputs need an end-of-sequence token, and this tokenizer has none")
     backend = getattr(tokenizer, "_tokenizer", None)  # FastTokenizer: the `tokenizers` object itself
     if backend is not None and hasattr(backend, "to_str"):
-        text = backend.to_str()
-        n_vocab = max(vocab_size, backend.get_vocab_size(with_added_tokens=True))
-        return llguidance.LLTokenizer(text, n_vocab=n_vocab, eos_token=eos_token_ids)
+        n_tokens = backend.get_vocab_size(with_added_tokens=True)
+        eos = _tokenizer_eos(eos_token_ids, n_tokens)
+        return llguidance.LLTokenizer(backend.to_str(), n_vocab=max(vocab_size, n_tokens), eos_token=eos)
     if hasattr(tokenizer, "backend_tokenizer"):  # a transformers fast tokenizer
         from llguidance.hf import from_tokenizer
-        return from_tokenizer(tokenizer, n_vocab=max(vocab_size, len(tokenizer)), eos_token=eos_token_ids)
+        eos = _tokenizer_eos(eos_token_ids, len(tokenizer))
+        return from_tokenizer(tokenizer, n_vocab=max(vocab_size, len(tokenizer)), eos_token=eos)
     raise GrammarError(f"structured outputs need a fast (tokenizer.json) tokenizer; this model has "
                        f"{type(tokenizer).__name__}")
+
+
+def _tokenizer_eos(eos_token_ids: list[int], n_tokens: int) -> list[int]:
+    """The end-of-sequence ids llguidance is given: the request-ending ids that are among the
+    tokenizer's `n_tokens` (a model config may name ids past a tokenizer it shares, e.g. a
+    random-weight shape run with another model's tokenizer; those ids stay masked off)."""
+    known = [t for t in eos_token_ids if 0 <= t < n_tokens]
+    if not known:
+        raise GrammarError(f"structured outputs need an end-of-sequence token of the tokenizer's {n_tokens}; "
+                           f"the model's {eos_token_ids} are all outside it")
+    return known
 
 
 def _key(params: StructuredOutputsParams) -> str:
