@@ -91,6 +91,9 @@ E2E_CASES = [  # (fusion, model, quantization, switch turned off)
     ("rms_norm+quant", "dummy:smollm2-135m", "fp8", "fuse_norm_quant"),
     ("silu_mul+quant", "dummy:smollm2-135m", "fp8", "fuse_act_quant"),
     ("quant+fp8_linear (o_proj prologue)", "dummy:smollm2-135m", "fp8", "fuse_quant_linear"),
+    ("rms_norm+quant, 8B", "dummy:llama-3.1-8b", "fp8", "fuse_norm_quant"),  # (issue 36's shape)
+    ("silu_mul+quant, 8B", "dummy:llama-3.1-8b", "fp8", "fuse_act_quant"),
+    ("quant+fp8_linear (o_proj prologue), 8B", "dummy:llama-3.1-8b", "fp8", "fuse_quant_linear"),
     ("residual add out of addmm", "dummy:smollm2-135m", None, "unfuse_residual_addmm"),
     ("route_linear", "dummy:smollm2-135m", None, "route_linear"),  # (switches the linear fusions off with it)
     ("(add+) rms_norm+linear", "dummy:smollm2-135m", None, "fuse_norm_linear"),
