@@ -253,3 +253,14 @@ def test_structured_cpu_smoke(tmp_path):
     assert saved["benchmark"] == "bench_structured" and saved["env"]["torch"]
     assert [r["case"] for r in summary(str(tmp_path)) if r["benchmark"] == "structured"] == [
         "1 in 8 constrained / none"]
+
+
+def test_profile_masks_fills_agree(tmp_path):
+    """profile_masks on the bundled tokenizer: the three ways of filling a step's masks give the
+    same bits (the script raises otherwise), every cost is measured."""
+    from benchmarks import profile_masks
+
+    payload = profile_masks.main(["--rows", "3", "--steps", "12", "--out", str(tmp_path / "pm.json")])
+    assert set(payload["results"]) == {"per row", "executor", "mask thread", "accept", "one row"}
+    assert all(r["median_us"] > 0 for r in payload["results"].values())
+    assert json.loads((tmp_path / "pm.json").read_text())["benchmark"] == "profile_masks"
