@@ -11,11 +11,19 @@
 #       unpacks vLLM to /tmp/vllm_site, runs bench_prefill_attention (with FA3; not with
 #       --no-attention) and bench_vs_vllm once per "::"-separated argument list, JSON into $OUT
 #       (bench_vs_vllm.json, bench_vs_vllm_1.json, ...)
+#
+# Issue 35's TP rows, on nvidia-h200-x2 / -x4 (the same two calls; each engine's start includes
+# drawing its random weights on the GPUs, ~1-2 min for the 70B shape):
+#   part1 --no-attention --models dummy:llama-3.1-8b -tp 2 --decode 1x1000 64x1000 --prefill 16x2000 \
+#         --repeat 1 --mixes nano-vllm
+#   part1 --no-attention --models dummy:llama-3.1-70b -tp 4 --decode 1x1000 64x1000 --prefill 4x2000 \
+#         --repeat 1 --mixes nano-vllm --max-model-len 4096 --timeout 500
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_vs_vllm}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # TP runs: no NVLink multicast (KINDS.md)
 stage=${1:?part0 or part1}; shift
 case $stage in
   part0)

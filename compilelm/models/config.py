@@ -154,6 +154,13 @@ DUMMY_PRESETS: dict[str, dict] = {
                          rope_scaling=dict(_LLAMA3_ROPE, factor=8.0),
                          max_position_embeddings=131072, tie_word_embeddings=False,
                          bos_token_id=128000, eos_token_id=[128001, 128008, 128009]),
+    # 140 GB of bf16 weights: tensor parallel (issue 35's TP=4 rows), never on a CPU
+    "llama-3.1-70b": dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=8192,
+                          intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                          num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+                          rope_scaling=dict(_LLAMA3_ROPE, factor=8.0),
+                          max_position_embeddings=131072, tie_word_embeddings=False,
+                          bos_token_id=128000, eos_token_id=[128001, 128008, 128009]),
 }
 
 
