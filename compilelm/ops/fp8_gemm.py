@@ -12,7 +12,7 @@ weight scales, the matmul of compilelm/layers/quantization/fp8.py's Fp8LinearMet
 `compilelm::fp8_linear` (schema in csrc/ops.cpp) is the layer's op; on CUDA it picks the kernel by
 the row count M of each call, so a compiled graph replayed in a CUDA graph per batch size runs the
 kernel of that size:
-  - M <= 8 (STREAM_DEFAULT_ROWS; the kernel takes up to 16): `compilelm::fp8_stream_mm`
+  - M <= 8 on sm_90 (STREAM_TO_TRITON_ROWS), M <= 16 elsewhere: `compilelm::fp8_stream_mm`
     (csrc/cuda/fp8_stream_mm.cu), the weight
     streamed once with 16-byte loads, fp8 mma.sync on tensor cores, scales in the epilogue;
   - M <= TRITON_MAX_ROWS on sm_90: `fp8_mm_triton` below, TMA loads + wgmma (the weight tile as
@@ -46,21 +46,23 @@ except ImportError:  # CPU builds of torch ship without Triton
     triton = None
 
 STREAM_MAX_ROWS = 16  # fp8_stream_mm's limit (kMaxRows in csrc/cuda/fp8_stream_mm.cu)
-# ... and where the route hands over to the Triton kernel: bench_fp8_gemm on an H200, Llama-3.1-8B's
-# four linears, has the stream kernel ahead at 1-8 rows on three of them and the Triton kernel
-# 1.1-1.26x ahead of it on all four at 16 (its second 8-row mma tile costs what a wgmma tile hides)
-STREAM_DEFAULT_ROWS = 8
+# Where the Triton kernel runs (sm_90) and takes the rows, it gets them above this many:
+# bench_fp8_gemm on an H200, Llama-3.1-8B's four linears, has the stream kernel ahead at 1-8 rows
+# on three of them and the Triton kernel 1.1-1.26x ahead of it on all four at 16 (the stream
+# kernel's second 8-row mma tile). Elsewhere the stream kernel keeps its 16.
+STREAM_TO_TRITON_ROWS = 8
 # its quant prologue's (kMaxQuantRows, kMaxQuantBytes): M x K bytes of quantized rows in dynamic shared
 # memory beside the kernel's static arrays, past the default 48 KiB a block gets (the launch raises it)
 QUANT_MAX_ROWS, QUANT_MAX_ELEMENTS = 8, 48 * 1024
 TRITON_MAX_ROWS = 64  # the Triton kernel's BM is at most 64
-_routes = {"stream": STREAM_DEFAULT_ROWS, "triton": TRITON_MAX_ROWS}
+_routes = {"stream": STREAM_MAX_ROWS, "triton": TRITON_MAX_ROWS}
 
 
 def set_fp8_routes(stream_max_rows: int | None = None, triton_max_rows: int | None = None) -> tuple[int, int]:
-    """fp8_linear on CUDA: rows 1..stream_max_rows to fp8_stream_mm, up to triton_max_rows to the
-    Triton kernel, the rest to torch._scaled_mm (0 turns a kernel off). None keeps a setting;
-    returns the previous (stream, triton). Takes effect for calls (and graph captures) after it."""
+    """fp8_linear on CUDA: rows 1..stream_max_rows to fp8_stream_mm (where the Triton kernel runs
+    and takes them, only up to STREAM_TO_TRITON_ROWS), up to triton_max_rows to the Triton kernel,
+    the rest to torch._scaled_mm (0 turns a kernel off). None keeps a setting; returns the previous
+    (stream, triton). Takes effect for calls (and graph captures) after it."""
     prev = (_routes["stream"], _routes["triton"])
     if stream_max_rows is not None:
         if not 0 <= stream_max_rows <= STREAM_MAX_ROWS:
@@ -201,11 +203,10 @@ def _is_sm90(device: torch.device) -> bool:
 def route(m: int, device: torch.device) -> str:
     """The kernel fp8_linear runs for m rows on this device, for inputs the kernels take:
     'stream', 'triton' or 'scaled_mm'."""
-    if _has_stream_kernel(device) and 1 <= m <= _routes["stream"]:
+    triton_takes = triton is not None and _is_sm90(device) and 1 <= m <= _routes["triton"]
+    if _has_stream_kernel(device) and 1 <= m <= _routes["stream"] and not (triton_takes and m > STREAM_TO_TRITON_ROWS):
         return "stream"
-    if triton is not None and _is_sm90(device) and 1 <= m <= _routes["triton"]:
-        return "triton"
-    return "scaled_mm"
+    return "triton" if triton_takes else "scaled_mm"
 
 
 def scaled_mm_takes(x: Tensor, weight: Tensor, out_dtype: torch.dtype) -> bool:
