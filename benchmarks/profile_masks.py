@@ -11,7 +11,8 @@ replace finished ones); every step fills all their masks four ways, checked equa
 - accept: the rows' `RequestGrammar.accept` (consume_token) of the chosen tokens.
 
 Prints medians and p90s in microseconds per step (and one row's median and p99), JSON to
-benchmarks/results/profile_masks.json. CPU only: run it on the machine whose host a GPU run used.
+benchmarks/results/profile_masks.json. CPU only (the bundled tokenizer where the default model is not
+installed): run it on the machine whose host a GPU run used.
 
     python benchmarks/profile_masks.py [--rows 8] [--steps 300]
 """
@@ -42,13 +43,15 @@ def allowed_token(mask_row, rng: random.Random) -> int:
 def measure(rows: int, steps: int, seed: int = 0) -> dict:
     import torch
 
-    from benchmarks.bench_structured import RECORDS
+    from benchmarks.bench_structured import RECORDS, resolve_model_and_tokenizer
     from compilelm.models.loader import resolve_model
     from compilelm.models.tokenizer import load_tokenizer
     from compilelm.runtime.structured_output import GuidanceBackend, RequestGrammar
     from compilelm.sampling_params import StructuredOutputsParams
 
-    tok = load_tokenizer(resolve_model(None))
+    where = argparse.Namespace(model=None, tokenizer=None)
+    resolve_model_and_tokenizer(where)  # the default model's tokenizer, or its bundled copy
+    tok = load_tokenizer(resolve_model(where.model), where.tokenizer)
     backend = GuidanceBackend(tok, len(tok), [tok.eos_token_id])
     params = StructuredOutputsParams(json=RECORDS)
     grammars = [RequestGrammar(backend.matcher(params), backend) for _ in range(rows)]
