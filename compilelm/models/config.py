@@ -131,6 +131,13 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor
                 "original_max_position_embeddings": 8192}
 
 # Shapes of real models, for `dummy:<name>` random weights (benchmarks, compile tests).
+_LLAMA31_8B = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
+                   intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                   num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+                   rope_scaling=dict(_LLAMA3_ROPE, factor=8.0),
+                   max_position_embeddings=131072, tie_word_embeddings=False,
+                   bos_token_id=128000, eos_token_id=[128001, 128008, 128009])
+
 DUMMY_PRESETS: dict[str, dict] = {
     "smollm2-135m": dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
                          intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -148,19 +155,10 @@ DUMMY_PRESETS: dict[str, dict] = {
                          rope_scaling=dict(_LLAMA3_ROPE, factor=32.0),
                          max_position_embeddings=131072, tie_word_embeddings=True,
                          bos_token_id=128000, eos_token_id=[128001, 128008, 128009]),
-    "llama-3.1-8b": dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
-                         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-                         rope_scaling=dict(_LLAMA3_ROPE, factor=8.0),
-                         max_position_embeddings=131072, tie_word_embeddings=False,
-                         bos_token_id=128000, eos_token_id=[128001, 128008, 128009]),
-    # 140 GB of bf16 weights: tensor parallel (issue 35's TP=4 rows), never on a CPU
-    "llama-3.1-70b": dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=8192,
-                          intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                          num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-                          rope_scaling=dict(_LLAMA3_ROPE, factor=8.0),
-                          max_position_embeddings=131072, tie_word_embeddings=False,
-                          bos_token_id=128000, eos_token_id=[128001, 128008, 128009]),
+    "llama-3.1-8b": _LLAMA31_8B,
+    # the 8B's config at 70B sizes; 140 GB of bf16 weights: tensor parallel (issue 35's TP=4 rows)
+    "llama-3.1-70b": dict(_LLAMA31_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64),
 }
 
 
