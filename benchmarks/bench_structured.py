@@ -6,7 +6,10 @@ streams already running.
    with 1 request in 8 held to a JSON schema (an array of objects that cannot end within
    --output-len, so every request generates the same tokens). Output tokens/s of both, and their
    ratio (the goal on the GPU: >= 0.90). Each mode runs once to warm up (graphs, the schema's
-   compile), then --repeats times; the best run counts.
+   compile), then --repeats times; the best run counts. `--mask-fill thread,inline` runs one
+   constrained batch per way of filling the masks (the mask thread; the engine thread itself);
+   `--phases` times the engine's step phases (schedule, inputs, launches, the waits for sampled
+   ids and for masks, grammar accepts, output processing) in each batch's last run, us per step.
 2. New schema (the HTTP server): --streams streaming requests run; once each has streamed
    --arrive-after tokens, a chat request arrives without a constraint, then the same request
    with a JSON schema never seen before (--schema-fields properties: patterns, enums, nested
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import gzip
 import json
 import os
@@ -107,25 +112,38 @@ def bench_throughput(args) -> list[dict]:
         return SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
                               structured_outputs=schema if constrained and i % 8 == 0 else None)
 
+    from compilelm.runtime.structured_output.bitmask import MaskFiller
+
+    fills = args.mask_fill.split(",")
     rows = []
-    for constrained in (False, True):
-        times = []
+    for constrained, fill in [(False, None)] + [(True, f) for f in fills]:
+        MaskFiller.threaded = fill != "inline"
+        times, phases = [], {}
         for run in range(args.repeats + 1):  # run 0 warms up
             batch = [params(i, constrained) for i in range(args.num_requests)]
             sync()
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, batch, use_tqdm=False)
-            sync()
+            with time_phases(llm.engine, phases if run == args.repeats and args.phases else None):
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, batch, use_tqdm=False)
+                sync()
             if run:
                 times.append(time.perf_counter() - t0)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         assert tokens == args.num_requests * args.output_len, tokens
         if constrained:  # the grammar held: request 0 writes the array
             assert outs[0].outputs[0].text.lstrip().startswith("["), outs[0].outputs[0].text
-        rows.append({"batch": "1 in 8 constrained" if constrained else "none constrained",
-                     "requests": args.num_requests, "constrained": sum(i % 8 == 0 for i in range(args.num_requests))
-                     if constrained else 0, "output_tok_s": tokens / min(times), "wall_s": min(times)})
-    rows[1]["ratio"] = rows[1]["output_tok_s"] / rows[0]["output_tok_s"]
+        label = "none constrained" if not constrained else "1 in 8 constrained" + (
+            f", {fill} fill" if len(fills) > 1 else "")
+        rows.append({"batch": label, "requests": args.num_requests,
+                     "constrained": sum(i % 8 == 0 for i in range(args.num_requests)) if constrained else 0,
+                     "output_tok_s": tokens / min(times), "wall_s": min(times)})
+        if phases:
+            steps = phases["step"][1]
+            rows[-1]["phases_us_per_step"] = {k: round(1e6 * t / steps, 1) for k, (t, n) in phases.items()}
+            rows[-1]["phase_calls_per_step"] = {k: round(n / steps, 2) for k, (t, n) in phases.items()}
+    MaskFiller.threaded = True
+    for row in rows[1:]:
+        row["ratio"] = row["output_tok_s"] / rows[0]["output_tok_s"]
     if args.host_profile:  # where the host's time goes: one more run of each mode under cProfile
         import cProfile
         import io
@@ -141,6 +159,57 @@ def bench_throughput(args) -> list[dict]:
             row["host_profile"] = [line for line in text.getvalue().splitlines() if line.strip()]
     llm.engine.shutdown()
     return rows
+
+
+@contextlib.contextmanager
+def time_phases(engine, totals: dict | None):
+    """While open, the engine's step phases add [seconds, calls] to `totals[phase]` (inclusive wall
+    time on the engine thread; nested phases overlap); None: nothing is timed."""
+    if totals is None:
+        yield
+        return
+    from compilelm.runtime import async_step
+
+    runner = engine.executor.model_runner
+
+    def timed(fn, label):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                rec = totals.setdefault(label, [0.0, 0])
+                rec[0] += time.perf_counter() - t
+                rec[1] += 1
+        return wrapper
+
+    class TimedFuture:  # the masks' Future: what sampling waits for them
+        def __init__(self, future):
+            self.future = future
+
+        def result(self):
+            return timed(self.future.result, "sample: wait for masks")()
+
+    def start_masks(sched):
+        masks = start(sched)
+        return masks if masks is None else dataclasses.replace(masks, packed=TimedFuture(masks.packed))
+
+    start = runner.start_masks
+    patched = [(engine, "step", "step"), (engine.scheduler, "schedule", "schedule"),
+               (runner, "prepare_step", "prepare inputs"), (runner, "run_step", "forward launch"),
+               (runner, "sample_async", "sample launch"), (engine, "_accept_grammar_tokens", "grammar accept"),
+               (engine, "_process_step", "process outputs")]
+    for obj, name, label in patched:
+        setattr(obj, name, timed(getattr(obj, name), label))
+    runner.start_masks = timed(start_masks, "start masks")
+    get = async_step.AsyncStepOutput.get
+    async_step.AsyncStepOutput.get = timed(get, "wait for sampled ids")
+    try:
+        yield
+    finally:
+        async_step.AsyncStepOutput.get = get
+        for obj, name, _ in patched + [(runner, "start_masks", None)]:
+            delattr(obj, name)
 
 
 def sync() -> None:
@@ -236,6 +305,9 @@ def main(argv=None) -> dict:
                     "default model, --max-model-len 2048, --enforce-eager with --enforce-eager)")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="also run each throughput mode once under cProfile; its N top functions go in the JSON")
+    ap.add_argument("--mask-fill", default="thread", help="where constrained batches fill their masks, comma "
+                    "separated for one constrained batch each: thread (the engine's), inline (the engine thread)")
+    ap.add_argument("--phases", action="store_true", help="time the engine's step phases in each batch's last run")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-new-schema", action="store_true")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench_structured[_gpu].json)")
@@ -247,6 +319,10 @@ def main(argv=None) -> dict:
     if not args.skip_throughput:
         rows = payload["throughput"] = bench_throughput(args)
         print_table(rows, ["batch", "requests", "constrained", "output_tok_s", "wall_s", "ratio"])
+        if args.phases:
+            print_table([{"phase": k, **{r["batch"]: r["phases_us_per_step"].get(k, 0) for r in rows}}
+                         for k in dict.fromkeys(k for r in rows for k in r["phases_us_per_step"])],
+                        ["phase"] + [r["batch"] for r in rows])
         write_result("bench_structured", payload, out)
     if not args.skip_new_schema:
         server_args = args.server_args or " ".join(

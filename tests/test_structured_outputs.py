@@ -107,6 +107,9 @@ def test_bitmask_applies_each_rows_mask_and_leaves_others():
     assert got.shape == (10 * words + 10,) and torch.equal(got[9 * words:10 * words], bitmask[1])
     assert got[10 * words:].tolist() == list(range(10))
     assert torch.equal(filler.start([b, a], [5, 7]).result()[:2 * words], bitmask.flip(0).flatten())
+    filler.threaded = False  # on the calling thread: the same words, the Future already done
+    inline = filler.start([a, b], [2, 0])
+    assert inline.done() and torch.equal(inline.result(), packed)
 
 
 def _requests():

@@ -36,7 +36,12 @@ class MaskFiller:
 
     Contract: a fill may start only once the device has consumed the previous one (the engine
     starts it after waiting for the last step's sampled ids, which come after that step's mask
-    copy), so the buffer is never rewritten under a pending copy."""
+    copy), so the buffer is never rewritten under a pending copy.
+
+    `threaded` (class default): False fills on the calling thread and returns a finished Future
+    (bench_structured's `--mask-fill inline` compares the two)."""
+
+    threaded = True
 
     def __init__(self, executor, vocab_size: int, pin: bool):
         self.executor, self.pin = executor, pin
@@ -55,6 +60,10 @@ class MaskFiller:
         packed = self._buffer[:k * (words + 1)]
         packed[k * words:] = torch.tensor(rows, dtype=torch.int32)
         inside = threading.Event()
+        if not self.threaded:
+            done = concurrent.futures.Future()
+            done.set_result(self._fill(matchers, packed, inside, also or []))
+            return done
         future = self._thread.submit(self._fill, matchers, packed, inside, also or [])
         # hand the GIL over until the mask thread is inside llguidance (which runs without it):
         # else the thread would wait for the GIL until this one next blocks, i.e. not run at all
