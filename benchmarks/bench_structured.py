@@ -112,12 +112,12 @@ def bench_throughput(args) -> list[dict]:
         return SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
                               structured_outputs=schema if constrained and i % 8 == 0 else None)
 
-    from compilelm.runtime.structured_output.bitmask import MaskFiller
+    from compilelm.runtime.structured_output import GuidanceBackend
 
     fills = args.mask_fill.split(",")
     rows = []
     for constrained, fill in [(False, None)] + [(True, f) for f in fills]:
-        MaskFiller.threaded = fill != "inline"
+        set_mask_fill(llm.engine, fill or "thread")
         times, phases = [], {}
         for run in range(args.repeats + 1):  # run 0 warms up
             batch = [params(i, constrained) for i in range(args.num_requests)]
@@ -141,9 +141,20 @@ def bench_throughput(args) -> list[dict]:
             steps = phases["step"][1]
             rows[-1]["phases_us_per_step"] = {k: round(1e6 * t / steps, 1) for k, (t, n) in phases.items()}
             rows[-1]["phase_calls_per_step"] = {k: round(n / steps, 2) for k, (t, n) in phases.items()}
-    MaskFiller.threaded = True
     for row in rows[1:]:
         row["ratio"] = row["output_tok_s"] / rows[0]["output_tok_s"]
+    if args.torch_profile:  # the engine thread's ops and CUDA calls: one more run of each batch
+        for row, fill in zip(rows, [None] + fills):
+            set_mask_fill(llm.engine, fill or "thread")
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                    [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])) as prof:
+                llm.generate(prompts, [params(i, fill is not None) for i in range(args.num_requests)], use_tqdm=False)
+                sync()
+            row["torch_profile"] = prof.key_averages().table(sort_by="self_cpu_time_total",
+                                                             row_limit=args.torch_profile).splitlines()
+            print(row["batch"], *row["torch_profile"], sep="\n")
+    set_mask_fill(llm.engine, "thread")
+    GuidanceBackend.mask_threads = None
     if args.host_profile:  # where the host's time goes: one more run of each mode under cProfile
         import cProfile
         import io
@@ -159,6 +170,25 @@ def bench_throughput(args) -> list[dict]:
             row["host_profile"] = [line for line in text.getvalue().splitlines() if line.strip()]
     llm.engine.shutdown()
     return rows
+
+
+def set_mask_fill(engine, fill: str) -> None:
+    """`fill`: "thread" or "inline", optionally ":N" for N mask-executor threads (a new executor)."""
+    from compilelm.runtime.structured_output import GuidanceBackend
+    from compilelm.runtime.structured_output.bitmask import MaskFiller
+
+    mode, _, threads = fill.partition(":")
+    if mode not in ("thread", "inline"):
+        raise SystemExit(f"--mask-fill: {fill!r} is not thread[:N] or inline[:N]")
+    MaskFiller.threaded = mode == "thread"
+    want = int(threads) if threads else None
+    backend = getattr(engine, "_structured_output", None)
+    if want != GuidanceBackend.mask_threads:
+        GuidanceBackend.mask_threads = want
+        if backend is not None and backend._executor is not None:  # the next mask makes them anew
+            if backend._filler is not None:
+                backend._filler.shutdown()
+            backend._executor = backend._filler = None
 
 
 @contextlib.contextmanager
@@ -306,7 +336,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="also run each throughput mode once under cProfile; its N top functions go in the JSON")
     ap.add_argument("--mask-fill", default="thread", help="where constrained batches fill their masks, comma "
-                    "separated for one constrained batch each: thread (the engine's), inline (the engine thread)")
+                    "separated for one constrained batch each: thread (the engine's), inline (the engine thread); "
+                    "either with :N for N mask-executor threads (default llguidance's)")
+    ap.add_argument("--torch-profile", type=int, default=0, metavar="N",
+                    help="also run each batch once under torch.profiler; its N top ops by self CPU time in the JSON")
     ap.add_argument("--phases", action="store_true", help="time the engine's step phases in each batch's last run")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-new-schema", action="store_true")

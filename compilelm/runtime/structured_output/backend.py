@@ -28,7 +28,10 @@ _COMPILE_THREADS = 2
 class GuidanceBackend:
     """`tokenizer`: the engine's (FastTokenizer, or a transformers fast tokenizer); `vocab_size`:
     the model's logits width; `eos_token_ids`: every id that ends a request (the grammar allows
-    them once its value is complete)."""
+    them once its value is complete). `mask_threads` (class default): the threads of llguidance's
+    mask executor, None for its default (80% of the CPUs, at most 32)."""
+
+    mask_threads: int | None = None
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
         self._tokenizer = tokenizer
@@ -92,7 +95,7 @@ class GuidanceBackend:
     def mask_executor(self):
         if self._executor is None:
             import llguidance
-            self._executor = llguidance.LLExecutor()
+            self._executor = llguidance.LLExecutor(self.mask_threads)
         return self._executor
 
     def mask_filler(self, pin: bool) -> MaskFiller:
