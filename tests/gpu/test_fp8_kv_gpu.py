@@ -119,7 +119,7 @@ def _check(out, ref, cu):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("head_size", [64, 128, 256])
-@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (32, 8), (16, 2)])  # groups 1, 4, 8 (two programs of 4)
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 4), (32, 8), (16, 2)])  # groups 1, 2, 4, 8 (two programs of 4)
 def test_decode_kernel_pure_decode(dtype, head_size, heads, kv_heads, decode_kernel):
     # batch 1 short (clusters), batch 1 long (split-K), batch 16 (no split / split), mixed lengths
     for q_lens, contexts in (([1], [40]), ([1], [6000]), ([1] * 16, [300 * i + 5 for i in range(16)]),
@@ -258,7 +258,7 @@ def test_engine_graphs_equal_eager_with_fp8_kv(shape, tmp_path, no_tf32):
     assert same / sum(len(x) for x in auto) >= 0.8  # fp8 vs fp32 cache: close, not equal
 
 
-def test_engine_bf16_fp8_kv_graphs_and_eager_agree(tmp_path):
+def test_engine_bf16_fp8_kv_graphs_and_eager_agree(tmp_path, decode_kernel):
     """bf16 (the served dtype: Triton prefill, the fp8 decode kernel, the QKV fallback) compiled +
     graphs vs eager: the same kernels on the same K/V, close greedy streams."""
     from compilelm import LLM, SamplingParams
