@@ -6,7 +6,9 @@ streams already running.
    with 1 request in 8 held to a JSON schema (an array of objects that cannot end within
    --output-len, so every request generates the same tokens). Output tokens/s of both, and their
    ratio (the goal on the GPU: >= 0.90). Each mode runs once to warm up (graphs, the schema's
-   compile), then --repeats times; the best run counts. `--mask-fill thread,inline` runs one
+   compile), then --repeats rounds, each running every batch in turn; a constrained batch's ratio
+   is the median over rounds of the two batches' times in the same round (min and max in the
+   JSON), its tok/s from its median time. `--mask-fill thread,inline` runs one
    constrained batch per way of filling the masks (the mask thread; the engine thread itself);
    `--phases` times the engine's step phases (schedule, inputs, launches, the waits for sampled
    ids and for masks, grammar accepts, output processing) in each batch's last run, us per step.
@@ -115,34 +117,44 @@ def bench_throughput(args) -> list[dict]:
     from compilelm.runtime.structured_output import GuidanceBackend
 
     fills = args.mask_fill.split(",")
-    rows = []
-    for constrained, fill in [(False, None)] + [(True, f) for f in fills]:
-        set_mask_fill(llm.engine, fill or "thread")
-        times, phases = [], {}
-        for run in range(args.repeats + 1):  # run 0 warms up
+    modes = [(False, None)] + [(True, f) for f in fills]
+    times: list[list[float]] = [[] for _ in modes]
+    phases: list[dict] = [{} for _ in modes]
+    outs_of: list = [None] * len(modes)
+    # rounds of every mode in turn (round 0 warms up): a slow spell of the host hits all modes,
+    # and each constrained mode's ratio is the median over rounds of its time against the
+    # unconstrained batch's of the same round
+    for run in range(args.repeats + 1):
+        for m, (constrained, fill) in enumerate(modes):
+            set_mask_fill(llm.engine, fill or "thread")
             batch = [params(i, constrained) for i in range(args.num_requests)]
             sync()
-            with time_phases(llm.engine, phases if run == args.repeats and args.phases else None):
+            with time_phases(llm.engine, phases[m] if run == args.repeats and args.phases else None):
                 t0 = time.perf_counter()
-                outs = llm.generate(prompts, batch, use_tqdm=False)
+                outs_of[m] = llm.generate(prompts, batch, use_tqdm=False)
                 sync()
             if run:
-                times.append(time.perf_counter() - t0)
+                times[m].append(time.perf_counter() - t0)
+    rows = []
+    for m, (constrained, fill) in enumerate(modes):
+        outs = outs_of[m]
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         assert tokens == args.num_requests * args.output_len, tokens
         if constrained:  # the grammar held: request 0 writes the array
             assert outs[0].outputs[0].text.lstrip().startswith("["), outs[0].outputs[0].text
         label = "none constrained" if not constrained else "1 in 8 constrained" + (
             f", {fill} fill" if len(fills) > 1 else "")
+        wall = statistics.median(times[m])
         rows.append({"batch": label, "requests": args.num_requests,
                      "constrained": sum(i % 8 == 0 for i in range(args.num_requests)) if constrained else 0,
-                     "output_tok_s": tokens / min(times), "wall_s": min(times)})
-        if phases:
-            steps = phases["step"][1]
-            rows[-1]["phases_us_per_step"] = {k: round(1e6 * t / steps, 1) for k, (t, n) in phases.items()}
-            rows[-1]["phase_calls_per_step"] = {k: round(n / steps, 2) for k, (t, n) in phases.items()}
-    for row in rows[1:]:
-        row["ratio"] = row["output_tok_s"] / rows[0]["output_tok_s"]
+                     "output_tok_s": tokens / wall, "wall_s": wall, "wall_s_runs": [round(t, 4) for t in times[m]]})
+        if constrained:
+            ratios = [a / b for a, b in zip(times[0], times[m])]
+            rows[-1].update(ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios))
+        if phases[m]:
+            steps = phases[m]["step"][1]
+            rows[-1]["phases_us_per_step"] = {k: round(1e6 * t / steps, 1) for k, (t, n) in phases[m].items()}
+            rows[-1]["phase_calls_per_step"] = {k: round(n / steps, 2) for k, (t, n) in phases[m].items()}
     if args.torch_profile:  # the engine thread's ops and CUDA calls: one more run of each batch
         for row, fill in zip(rows, [None] + fills):
             set_mask_fill(llm.engine, fill or "thread")
@@ -184,11 +196,11 @@ def set_mask_fill(engine, fill: str) -> None:
     want = int(threads) if threads else None
     backend = getattr(engine, "_structured_output", None)
     if want != GuidanceBackend.mask_threads:
+        if backend is not None:  # each thread count keeps its executor and mask thread across rounds
+            kept = backend.__dict__.setdefault("_bench_executors", {})
+            kept[GuidanceBackend.mask_threads] = (backend._executor, backend._filler)
+            backend._executor, backend._filler = kept.get(want, (None, None))
         GuidanceBackend.mask_threads = want
-        if backend is not None and backend._executor is not None:  # the next mask makes them anew
-            if backend._filler is not None:
-                backend._filler.shutdown()
-            backend._executor = backend._filler = None
 
 
 @contextlib.contextmanager
