@@ -52,8 +52,8 @@ def prompts():
     return [torch.randint(3, 1000, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def run_compilelm(path, **kwargs):
-    llm = LLM(model=str(path), dtype="float32", device="cuda", max_model_len=256, max_num_seqs=16,
+def run_compilelm(path, device="cuda", **kwargs):
+    llm = LLM(model=str(path), dtype="float32", device=device, max_model_len=256, max_num_seqs=16,
               max_num_batched_tokens=64, **kwargs)
     runner = llm.engine.model_runner
     replays = []

@@ -253,9 +253,12 @@ def test_engine_graphs_equal_eager_with_fp8_kv(shape, tmp_path, no_tf32):
         compilation_config={"cache_dir": str(tmp_path / "cache"), "cudagraph_capture_sizes": [1, 2, 4, 8, 16]})
     assert 8 in replays
     assert graphs == eager
-    auto, _ = run_compilelm(tmp_path / "model", enforce_eager=True)
-    same = sum(a == b for x, y in zip(auto, eager) for a, b in zip(x, y))
-    assert same / sum(len(x) for x in auto) >= 0.8  # fp8 vs fp32 cache: close, not equal
+    # the reference: the same fp8 cache on the CPU (plain-torch quantize / dequantize). Not an fp32
+    # cache: against one, these random models' greedy streams part early with fp8 on either device
+    # (11, 36 and 5 of 80 tokens agree on the CPU, the same counts as on an H200)
+    cpu, _ = run_compilelm(tmp_path / "model", device="cpu", enforce_eager=True, kv_cache_dtype="fp8")
+    same = sum(a == b for x, y in zip(cpu, eager) for a, b in zip(x, y))
+    assert same / sum(len(x) for x in cpu) >= 0.9
 
 
 def test_engine_bf16_fp8_kv_graphs_and_eager_agree(tmp_path, decode_kernel):
