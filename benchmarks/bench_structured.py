@@ -114,8 +114,6 @@ def bench_throughput(args) -> list[dict]:
         return SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
                               structured_outputs=schema if constrained and i % 8 == 0 else None)
 
-    from compilelm.runtime.structured_output import GuidanceBackend
-
     fills = args.mask_fill.split(",")
     modes = [(False, None)] + [(True, f) for f in fills]
     times: list[list[float]] = [[] for _ in modes]
@@ -166,7 +164,6 @@ def bench_throughput(args) -> list[dict]:
                                                              row_limit=args.torch_profile).splitlines()
             print(row["batch"], *row["torch_profile"], sep="\n")
     set_mask_fill(llm.engine, "thread")
-    GuidanceBackend.mask_threads = None
     if args.host_profile:  # where the host's time goes: one more run of each mode under cProfile
         import cProfile
         import io
@@ -185,7 +182,8 @@ def bench_throughput(args) -> list[dict]:
 
 
 def set_mask_fill(engine, fill: str) -> None:
-    """`fill`: "thread" or "inline", optionally ":N" for N mask-executor threads (a new executor)."""
+    """`fill`: "thread" or "inline", optionally ":N" for N mask-executor threads (llguidance's
+    default without); the engine's backend keeps one executor and mask thread per N."""
     from compilelm.runtime.structured_output import GuidanceBackend
     from compilelm.runtime.structured_output.bitmask import MaskFiller
 
@@ -232,11 +230,12 @@ def time_phases(engine, totals: dict | None):
         def result(self):
             return timed(self.future.result, "sample: wait for masks")()
 
+    start = runner.start_masks
+
     def start_masks(sched):
         masks = start(sched)
         return masks if masks is None else dataclasses.replace(masks, packed=TimedFuture(masks.packed))
 
-    start = runner.start_masks
     patched = [(engine, "step", "step"), (engine.scheduler, "schedule", "schedule"),
                (runner, "prepare_step", "prepare inputs"), (runner, "run_step", "forward launch"),
                (runner, "sample_async", "sample launch"), (engine, "_accept_grammar_tokens", "grammar accept"),

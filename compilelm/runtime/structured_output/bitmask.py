@@ -59,20 +59,22 @@ class MaskFiller:
             self._buffer = torch.empty(max(k, 8) * (words + 1), dtype=torch.int32, pin_memory=self.pin)
         packed = self._buffer[:k * (words + 1)]
         packed[k * words:] = torch.tensor(rows, dtype=torch.int32)
-        inside = threading.Event()
         if not self.threaded:
             done = concurrent.futures.Future()
-            done.set_result(self._fill(matchers, packed, inside, also or []))
+            done.set_result(self._fill(matchers, packed, None, also or []))
             return done
+        inside = threading.Event()
         future = self._thread.submit(self._fill, matchers, packed, inside, also or [])
         # hand the GIL over until the mask thread is inside llguidance (which runs without it):
         # else the thread would wait for the GIL until this one next blocks, i.e. not run at all
         inside.wait()
         return future
 
-    def _fill(self, matchers: list, packed: torch.Tensor, inside: threading.Event, also: list[int]) -> torch.Tensor:
+    def _fill(self, matchers: list, packed: torch.Tensor, inside: threading.Event | None,
+              also: list[int]) -> torch.Tensor:
         args = [(m, i) for i, m in enumerate(matchers)]
-        inside.set()
+        if inside is not None:  # (None: on the calling thread)
+            inside.set()
         self.executor.unsafe_compute_mask_ptr(args, packed.data_ptr(), self.words * 4, len(matchers))
         with torch.inference_mode():  # (thread-local) the buffer may be an inference tensor
             for i, token in enumerate(also):
