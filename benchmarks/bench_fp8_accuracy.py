@@ -55,13 +55,16 @@ def forward_logits(llm, prompt: list[int]) -> torch.Tensor:
     """fp32 logits [n, vocab] of one eager forward over `prompt` (fresh KV cache)."""
     from compilelm.forward_context import AttentionMetadata, ForwardContext, set_forward_context
     runner, n = llm.engine.model_runner, len(prompt)
+    dev = runner.device
     caches = {k: (torch.zeros_like(a), torch.zeros_like(b)) for k, (a, b) in runner.kv_caches.items()}
     bs = llm.engine.config.cache.block_size
     blocks = list(range(1, -(-n // bs) + 1))
-    meta = AttentionMetadata(torch.arange(bs, bs + n), torch.tensor([0, n], dtype=torch.int32),
-                             torch.tensor([n], dtype=torch.int32), torch.tensor([blocks], dtype=torch.int32), n, n)
+    i32 = dict(dtype=torch.int32, device=dev)
+    meta = AttentionMetadata(torch.arange(bs, bs + n, device=dev), torch.tensor([0, n], **i32),
+                             torch.tensor([n], **i32), torch.tensor([blocks], **i32), n, n)
     with torch.inference_mode(), set_forward_context(ForwardContext(meta, caches, runner.kv_scales)):
-        return runner.model.compute_logits(runner.model(torch.tensor(prompt), torch.arange(n))).float()
+        hidden = runner.model(torch.tensor(prompt, device=dev), torch.arange(n, device=dev))
+        return runner.model.compute_logits(hidden).float().cpu()
 
 
 def _shards(layer) -> list[tuple[int, int]]:

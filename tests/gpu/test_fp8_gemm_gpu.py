@@ -176,18 +176,21 @@ def test_cuda_graph_replay(m):
 def test_engine_fp8_graphs_match_eager(tmp_path):
     """A small Llama-3 shaped model (tests/gpu/test_engine_gpu.py's), fp32 activations, fp8
     weights: compiled + CUDA graphs (the fused quant producers feeding fp8_linear, each captured
-    size on its kernel) and eager give the same greedy tokens."""
+    size on its kernel) give eager's greedy tokens up to a near-tie (tests/near_ties.py: the fused
+    producers round in fp32 otherwise than eager, and the next fp8 quant can make it one code)."""
     from compilelm import LLM, SamplingParams
     from tests.gpu.test_engine_gpu import build_hf_model, prompts
+    from tests.near_ties import assert_parts_only_at_near_ties
 
     build_hf_model("llama3", tmp_path / "model")
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     out = {}
-    for eager in (True, False):
+    for eager in (False, True):
         llm = LLM(model=str(tmp_path / "model"), dtype="float32", device="cuda", quantization="fp8",
                   max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, enforce_eager=eager)
         out[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
-    assert out[False] == out[True]
+        if not eager:
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+    print("parted (prompt, token, margin):", assert_parts_only_at_near_ties(llm, prompts(), out[False], out[True]))

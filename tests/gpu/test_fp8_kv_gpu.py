@@ -263,21 +263,26 @@ def test_engine_graphs_equal_eager_with_fp8_kv(shape, tmp_path, no_tf32):
 
 def test_engine_bf16_fp8_kv_graphs_and_eager_agree(tmp_path, decode_kernel):
     """bf16 (the served dtype: Triton prefill, the fp8 decode kernel, the QKV fallback) compiled +
-    graphs vs eager: the same kernels on the same K/V, close greedy streams."""
+    graphs vs eager: the same kernels on the same K/V; compiled bf16 rounds otherwise than eager,
+    and e4m3's 3 mantissa bits make a last-bit change of a cached value a code (up to 1/16 of it),
+    so the streams may part, each only where eager's logits are within 10% of the largest one
+    (tests/near_ties.py; on an H200 they part by 2-6%; a wrong scale or kernel parts by far more)."""
     from compilelm import LLM, SamplingParams
     from tests.gpu.test_engine_gpu import build_hf_model, prompts
+    from tests.near_ties import assert_parts_only_at_near_ties
     build_hf_model("llama3_wide", tmp_path / "model")
     out = {}
-    for name, kw in (("eager", dict(enforce_eager=True)),
-                     ("graphs", dict(compilation_config={"cache_dir": str(tmp_path / "cache"),
-                                                         "cudagraph_capture_sizes": [1, 2, 4, 8]}))):
+    for name, kw in (("graphs", dict(compilation_config={"cache_dir": str(tmp_path / "cache"),
+                                                         "cudagraph_capture_sizes": [1, 2, 4, 8]})),
+                     ("eager", dict(enforce_eager=True))):
         llm = LLM(model=str(tmp_path / "model"), dtype="bfloat16", device="cuda", max_model_len=256, max_num_seqs=8,
                   max_num_batched_tokens=64, kv_cache_dtype="fp8", **kw)
         assert next(iter(llm.engine.model_runner.kv_caches.values()))[0].dtype == FP8
         params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         out[name] = [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
-    same = sum(a == b for x, y in zip(out["eager"], out["graphs"]) for a, b in zip(x, y))
-    assert same / sum(len(x) for x in out["eager"]) >= 0.9, out
+        if name == "graphs":
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+    print("parted (prompt, token, margin):",
+          assert_parts_only_at_near_ties(llm, prompts(), out["graphs"], out["eager"], rel=0.1))
