@@ -9,7 +9,8 @@ streams already running.
    compile), then --repeats rounds, each running every batch in turn; a constrained batch's ratio
    is the median over rounds of the two batches' times in the same round (min and max in the
    JSON), its tok/s from its median time. `--mask-fill thread,inline` runs one
-   constrained batch per way of filling the masks (the mask thread; the engine thread itself);
+   constrained batch per way of filling the masks (the mask thread; the engine thread itself),
+   `--torch-threads 16,1` one set of batches per count of torch's intra-op threads;
    `--phases` times the engine's step phases (schedule, inputs, launches, the waits for sampled
    ids and for masks, grammar accepts, output processing) in each batch's last run, us per step.
 2. New schema (the HTTP server): --streams streaming requests run; once each has streamed
@@ -115,17 +116,20 @@ def bench_throughput(args) -> list[dict]:
                               structured_outputs=schema if constrained and i % 8 == 0 else None)
 
     fills = args.mask_fill.split(",")
-    modes = [(False, None)] + [(True, f) for f in fills]
+    threads = [int(t) for t in args.torch_threads.split(",")] if args.torch_threads else [torch.get_num_threads()]
+    # (torch threads, fill or None: unconstrained); each thread count has its unconstrained batch
+    modes = [(t, f) for t in threads for f in [None] + fills]
     times: list[list[float]] = [[] for _ in modes]
     phases: list[dict] = [{} for _ in modes]
     outs_of: list = [None] * len(modes)
     # rounds of every mode in turn (round 0 warms up): a slow spell of the host hits all modes,
     # and each constrained mode's ratio is the median over rounds of its time against the
-    # unconstrained batch's of the same round
+    # unconstrained batch's of the same round and thread count
     for run in range(args.repeats + 1):
-        for m, (constrained, fill) in enumerate(modes):
+        for m, (t, fill) in enumerate(modes):
+            torch.set_num_threads(t)
             set_mask_fill(llm.engine, fill or "thread")
-            batch = [params(i, constrained) for i in range(args.num_requests)]
+            batch = [params(i, fill is not None) for i in range(args.num_requests)]
             sync()
             with time_phases(llm.engine, phases[m] if run == args.repeats and args.phases else None):
                 t0 = time.perf_counter()
@@ -133,28 +137,33 @@ def bench_throughput(args) -> list[dict]:
                 sync()
             if run:
                 times[m].append(time.perf_counter() - t0)
+    torch.set_num_threads(threads[0])
     rows = []
-    for m, (constrained, fill) in enumerate(modes):
+    for m, (t, fill) in enumerate(modes):
         outs = outs_of[m]
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         assert tokens == args.num_requests * args.output_len, tokens
-        if constrained:  # the grammar held: request 0 writes the array
+        if fill is not None:  # the grammar held: request 0 writes the array
             assert outs[0].outputs[0].text.lstrip().startswith("["), outs[0].outputs[0].text
-        label = "none constrained" if not constrained else "1 in 8 constrained" + (
+        label = "none constrained" if fill is None else "1 in 8 constrained" + (
             f", {fill} fill" if len(fills) > 1 else "")
+        if len(threads) > 1:
+            label += f", {t} torch threads"
         wall = statistics.median(times[m])
-        rows.append({"batch": label, "requests": args.num_requests,
-                     "constrained": sum(i % 8 == 0 for i in range(args.num_requests)) if constrained else 0,
-                     "output_tok_s": tokens / wall, "wall_s": wall, "wall_s_runs": [round(t, 4) for t in times[m]]})
-        if constrained:
-            ratios = [a / b for a, b in zip(times[0], times[m])]
+        rows.append({"batch": label, "requests": args.num_requests, "torch_threads": t,
+                     "constrained": sum(i % 8 == 0 for i in range(args.num_requests)) if fill else 0,
+                     "output_tok_s": tokens / wall, "wall_s": wall, "wall_s_runs": [round(x, 4) for x in times[m]]})
+        if fill is not None:
+            base = modes.index((t, None))
+            ratios = [a / b for a, b in zip(times[base], times[m])]
             rows[-1].update(ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios))
         if phases[m]:
             steps = phases[m]["step"][1]
-            rows[-1]["phases_us_per_step"] = {k: round(1e6 * t / steps, 1) for k, (t, n) in phases[m].items()}
-            rows[-1]["phase_calls_per_step"] = {k: round(n / steps, 2) for k, (t, n) in phases[m].items()}
+            rows[-1]["phases_us_per_step"] = {k: round(1e6 * x / steps, 1) for k, (x, n) in phases[m].items()}
+            rows[-1]["phase_calls_per_step"] = {k: round(n / steps, 2) for k, (x, n) in phases[m].items()}
     if args.torch_profile:  # the engine thread's ops and CUDA calls: one more run of each batch
-        for row, fill in zip(rows, [None] + fills):
+        for row, (t, fill) in zip(rows, modes):
+            torch.set_num_threads(t)
             set_mask_fill(llm.engine, fill or "thread")
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
                     [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])) as prof:
@@ -163,6 +172,7 @@ def bench_throughput(args) -> list[dict]:
             row["torch_profile"] = prof.key_averages().table(sort_by="self_cpu_time_total",
                                                              row_limit=args.torch_profile).splitlines()
             print(row["batch"], *row["torch_profile"], sep="\n")
+    torch.set_num_threads(threads[0])
     set_mask_fill(llm.engine, "thread")
     if args.host_profile:  # where the host's time goes: one more run of each mode under cProfile
         import cProfile
@@ -349,6 +359,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--mask-fill", default="thread", help="where constrained batches fill their masks, comma "
                     "separated for one constrained batch each: thread (the engine's), inline (the engine thread); "
                     "either with :N for N mask-executor threads (default llguidance's)")
+    ap.add_argument("--torch-threads", default=None, metavar="T[,T...]",
+                    help="torch's intra-op threads in the engine's process, comma separated for one set of "
+                         "batches each (default: torch's own)")
     ap.add_argument("--torch-profile", type=int, default=0, metavar="N",
                     help="also run each batch once under torch.profiler; its N top ops by self CPU time in the JSON")
     ap.add_argument("--phases", action="store_true", help="time the engine's step phases in each batch's last run")

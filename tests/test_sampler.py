@@ -283,29 +283,32 @@ def test_logprob_rank_with_ties_is_the_worse_rank():
 def test_greedy_constrained_rows_keep_the_argmax_path():
     """Greedy requests with a grammar take the argmax of their masked rows: with a full graph's
     argmax of the unmasked logits at hand, only the masked rows are taken again, written into that
-    tensor in place (the next step reads its input ids there); without it, one argmax of the
-    masked logits. Both equal the argmax of the masked fp32 logits; a sampled row leaves the path."""
-    from compilelm.ops.token_bitmask import mask_logits_rows_, packed_rows
+    tensor in place (the next step reads its input ids there); without it, one argmax and then the
+    masked rows'. Both equal the argmax of the masked fp32 logits, and the logits stay unmasked;
+    a sampled row leaves the path (the full sampler, on the masked logits)."""
+    from compilelm.ops.token_bitmask import mask_logits_rows_
     from compilelm.sampling_params import StructuredOutputsParams
 
     g = torch.Generator().manual_seed(3)
     vocab, words = 100, 4
     logits = torch.randn(6, vocab, generator=g).to(torch.bfloat16)
-    masks = torch.randint(-2**31, 2**31 - 1, (2, words), generator=g, dtype=torch.int64).to(torch.int32)
-    packed = torch.cat([masks.flatten(), torch.tensor([4, 1], dtype=torch.int32)])
+    logits[2, 7] = logits[2, 9] = logits[2].max() + 1  # a tie in an unmasked row: the first wins
+    bits = torch.randint(-2**31, 2**31 - 1, (2, words), generator=g, dtype=torch.int64).to(torch.int32)
+    packed = torch.cat([bits.flatten(), torch.tensor([4, 1], dtype=torch.int32)])
     reqs = [make_request(temperature=0.0) for _ in range(6)]
     for i in (4, 1):
         reqs[i] = make_request(temperature=0.0, structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
     assert not reqs[4].plain_greedy and reqs[4].argmax_only
     greedy_ids = logits.argmax(-1)  # the graph's, before the masks
-    masked = mask_logits_rows_(logits.clone(), packed, 2, words)
-    want = masked.float().argmax(-1)
-    assert not torch.equal(want, greedy_ids)  # the masks change rows 1 and 4
+    want = mask_logits_rows_(logits.clone(), packed, 2, words).float().argmax(-1)
+    assert not torch.equal(want, greedy_ids) and want[2] == 7  # the masks change rows 1 and 4
 
-    out = Sampler().sample_tensors(masked, reqs, greedy_ids, packed_rows(packed, 2, words))
+    before = logits.clone()
+    out = Sampler().sample_tensors(logits, reqs, greedy_ids, (packed, 2, words))
     assert out.token_ids is greedy_ids and torch.equal(greedy_ids, want)
-    assert torch.equal(Sampler().sample_tensors(masked, reqs).token_ids, want)
+    assert torch.equal(Sampler().sample_tensors(logits, reqs, masks=(packed, 2, words)).token_ids, want)
+    assert torch.equal(logits, before)
     reqs[0] = make_request(temperature=0.7, seed=1)  # not greedy: the full sampler, on the masked logits
     stale = logits.argmax(-1)
-    got = Sampler().sample_tensors(masked, reqs, stale, packed_rows(packed, 2, words)).token_ids
+    got = Sampler().sample_tensors(logits.clone(), reqs, stale, (packed, 2, words)).token_ids
     assert got is not stale and torch.equal(got[1:], want[1:])

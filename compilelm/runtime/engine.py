@@ -275,18 +275,22 @@ class LLMEngine:
             self._sample_unsampled()
             outputs = self._process_in_flight()  # N's tokens first: N+1's sampling reads them
         sched_out = self.scheduler.schedule()  # (N+1)
-        self._sample_unsampled()  # N's sampling, if its grammar masks filled until now
+        step = None
+        if sched_out.scheduled and self._unsampled is not None:
+            # N+1's host arrays while N's masks still fill (they need N's rows, not its tokens)
+            step = self.executor.prepare_step(sched_out, after=self._unsampled[0])
+        self._sample_unsampled()  # N's sampling, once its grammar masks are filled
         launched = None
         if sched_out.scheduled:
             if self._in_flight is not None and _samples_a_grammar(sched_out):
                 # N+1's forward runs while N's tokens come back and the grammars accept them; N+1's
-                # masks then fill on the mask thread while this one processes N and schedules N+2,
-                # and N+1 samples in the next step(), before N+2's inputs are prepared
-                forward = self.executor.launch_forward(sched_out)
+                # masks then fill on the mask thread while this one processes N, schedules N+2 and
+                # prepares its inputs, and N+1 samples in the next step(), before N+2's forward
+                forward = self.executor.launch_forward(sched_out, step)
                 self._accept_grammar_tokens(self._in_flight[1].get())
                 self._unsampled = (sched_out, forward, self.executor.model_runner.start_masks(sched_out))
             else:
-                launched = (sched_out, self.executor.execute_model_async(sched_out))
+                launched = (sched_out, self.executor.execute_model_async(sched_out, step))
         if self._in_flight is not None:
             outputs = self._process_in_flight()  # N, while N+1 runs
         self._in_flight = launched

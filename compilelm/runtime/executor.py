@@ -144,18 +144,23 @@ class Executor:
         finally:
             self._check_failures()
 
-    def execute_model_async(self, sched: SchedulerOutput) -> AsyncStepOutput:
-        """Launches the step without waiting for its tokens (async scheduling)."""
+    def execute_model_async(self, sched: SchedulerOutput, step: StepInputs | None = None) -> AsyncStepOutput:
+        """Launches the step without waiting for its tokens (async scheduling); `step`: its
+        `prepare_step`, if already made."""
         if self.broadcast is None:
-            return self.driver.model_runner.execute_model_async(sched)
-        return self.sample_async(sched, *self.launch_forward(sched))
+            return self.driver.model_runner.execute_model_async(sched, step)
+        return self.sample_async(sched, *self.launch_forward(sched, step))
 
-    def launch_forward(self, sched: SchedulerOutput):
+    def prepare_step(self, sched: SchedulerOutput, after: SchedulerOutput | None = None) -> StepInputs:
+        """Rank 0's ModelRunner.prepare_step for an async step (host arrays only; see there for
+        `after`)."""
+        return self.driver.model_runner.prepare_step(sched, share_sampled=self.broadcast is not None, after=after)
+
+    def launch_forward(self, sched: SchedulerOutput, step: StepInputs | None = None):
         """ModelRunner.launch_forward on every rank; (rank 0's StepInputs, its logits)."""
-        runner = self.driver.model_runner
+        step = step or self.prepare_step(sched)
         if self.broadcast is None:
-            return runner.launch_forward(sched)
-        step = runner.prepare_step(sched, share_sampled=True)
+            return self.driver.model_runner.launch_forward(sched, step)
         return step, self._run_step(step)
 
     def sample_async(self, sched: SchedulerOutput, step, logits, masks=None) -> AsyncStepOutput:

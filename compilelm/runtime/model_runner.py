@@ -173,12 +173,15 @@ class ModelRunner:
                     c.inductor_compiles, c.artifacts_loaded, compilation.cache_dir or default_cache_dir())
         return fn
 
-    def prepare_step(self, sched: SchedulerOutput, share_sampled: bool = False) -> StepInputs:
+    def prepare_step(self, sched: SchedulerOutput, share_sampled: bool = False,
+                     after: SchedulerOutput | None = None) -> StepInputs:
         """The plan as flat host arrays: every scheduled token of every request, and the rows whose
         logits are needed (the last row of each sampled request, then prompt-logprob rows). One
         Python pass gathers each request's scalars, ids and block table; positions and slots are
         then computed for all tokens at once (this runs on the host every step). `share_sampled`:
-        the other TP ranks will need this step's sampled ids (async scheduling)."""
+        the other TP ranks will need this step's sampled ids (async scheduling). `after`: the
+        step whose tokens are pending, when its sampling is not launched yet (it must be before
+        `run_step`); default the last `sample_async`'s."""
         scheduled, bs = sched.scheduled, self.block_size
         num_reqs = len(scheduled)
         starts = np.fromiter((sr.num_computed_tokens for sr in scheduled), np.int64, num_reqs)
@@ -187,7 +190,8 @@ class ModelRunner:
         np.cumsum(lens, out=cu[1:])
         block_tables = np.zeros((num_reqs, max(len(sr.block_ids) for sr in scheduled)), np.int32)  # pad: null block
         ids, pending_rows, pending_src, prompt_rows = [], [], [], []
-        last_rows = None if self.last_sampled is None else self.last_sampled[1]
+        last_rows = sampled_rows(after) if after is not None else (
+            None if self.last_sampled is None else self.last_sampled[1])
         for i, sr in enumerate(scheduled):
             request, start, n = sr.request, sr.num_computed_tokens, sr.num_new_tokens
             known = request.all_token_ids[start:start + n]
@@ -323,18 +327,20 @@ class ModelRunner:
             input_ids.index_copy_(0, rows, sampled.index_select(0, src))
 
     @torch.inference_mode()
-    def execute_model_async(self, sched: SchedulerOutput) -> AsyncStepOutput:
+    def execute_model_async(self, sched: SchedulerOutput, step: StepInputs | None = None) -> AsyncStepOutput:
         """Launches one step (on this rank alone) and returns before its sampled tokens reach the
         host: they are copied to pinned memory behind the step, and `AsyncStepOutput.get()`
         waits for them. Prompt logprobs (rare) are still gathered synchronously."""
-        return self.sample_async(sched, *self.launch_forward(sched))
+        return self.sample_async(sched, *self.launch_forward(sched, step))
 
     @torch.inference_mode()
-    def launch_forward(self, sched: SchedulerOutput) -> tuple[StepInputs, torch.Tensor | None]:
+    def launch_forward(self, sched: SchedulerOutput, step: StepInputs | None = None
+                       ) -> tuple[StepInputs, torch.Tensor | None]:
         """The first half of `execute_model_async`: the step's forward, launched; (inputs, logits).
         The engine runs the host's work on the previous step in between (grammars accept its
-        tokens) before `sample_async` masks and samples these logits."""
-        step = self.prepare_step(sched)
+        tokens) before `sample_async` masks and samples these logits. `step`: its
+        `prepare_step`, if already made."""
+        step = step or self.prepare_step(sched)
         return step, self.run_step(step)
 
     def warm_up_masks(self) -> None:
@@ -372,8 +378,7 @@ class ModelRunner:
         if step.share_sampled == "broadcast" and sampled is not None:
             sampled.token_ids = sampled.token_ids.contiguous()
             tensor_model_parallel_broadcast(sampled.token_ids)  # to receive_sampled on the other ranks
-        self.last_sampled = None if sampled is None else (
-            sampled.token_ids, {r.request_id: i for i, r in enumerate(out.sampled)})
+        self.last_sampled = None if sampled is None else (sampled.token_ids, sampled_rows(sched))
         return AsyncStepOutput(out, sampled, check)
 
     @torch.inference_mode()
@@ -419,14 +424,12 @@ class ModelRunner:
                 logits = logits.float()  # fp32 rows for the user functions (a copy once, then a no-op)
                 logits[i] = fn(req.output_token_ids, logits[i])
         masks = masks or self.start_masks(sched)
-        masked_rows = None
-        if masks is not None:  # host masks of the constrained rows: one copy, applied in one kernel
-            packed = masks.packed.result().to(logits.device, non_blocking=True)
-            logits = token_bitmask.mask_logits_rows_(logits, packed, masks.num_rows, masks.words)
-            masked_rows = token_bitmask.packed_rows(packed, masks.num_rows, masks.words)
+        packed = None
+        if masks is not None:  # host masks of the constrained rows: one copy, then one kernel
+            packed = (masks.packed.result().to(logits.device, non_blocking=True), masks.num_rows, masks.words)
         # a full graph's argmax (its input ids, in place: the next step's ids stay there)
         greedy = None if self.greedy_ids is None else self.greedy_ids[:step.num_sampled]
-        return out, self.sampler.sample_tensors(logits, out.sampled, greedy, masked_rows)
+        return out, self.sampler.sample_tensors(logits, out.sampled, greedy, packed)
 
     def _prompt_logprobs(self, sched: SchedulerOutput, logits: torch.Tensor) -> dict:
         """request id -> [(prompt position, LogprobsLists)]; `logits` holds the prompt-logprob rows
@@ -453,6 +456,11 @@ class GrammarMasks:
     num_rows: int
     words: int
     packed: concurrent.futures.Future
+
+
+def sampled_rows(sched: SchedulerOutput) -> dict[str, int]:
+    """request id -> its row among the step's sampled ids (the requests that sample, in order)."""
+    return {sr.request.request_id: i for i, sr in enumerate(r for r in sched.scheduled if r.do_sample)}
 
 
 def _in_order(index: np.ndarray) -> bool:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from compilelm.ops import argmax_rows as fused_argmax_rows
+from compilelm.ops import token_bitmask
 
 if TYPE_CHECKING:
     from compilelm.runtime.request import Request
@@ -74,18 +75,18 @@ class Sampler:
 
     def sample_tensors(self, logits: torch.Tensor, requests: list[Request],
                        greedy_ids: torch.Tensor | None = None,
-                       masked_rows: torch.Tensor | None = None) -> SampledTensors:
-        # logits: [num_reqs, vocab], the model's dtype or fp32, grammar masks applied; greedy_ids:
-        # the argmax of the logits before masking where already computed (int64 [num_reqs]: a full
-        # CUDA graph's, fused into its LM head); masked_rows: the rows whose mask was applied since
-        # (int32 / int64 [k] on logits' device), None if none
+                       masks: tuple[torch.Tensor, int, int] | None = None) -> SampledTensors:
+        # logits: [num_reqs, vocab], the model's dtype or fp32; greedy_ids: the argmax of the
+        # logits where already computed (int64 [num_reqs]: a full CUDA graph's, fused into its LM
+        # head); masks: the grammar masks of the constrained rows, not yet applied, as
+        # (packed int32 on logits' device, k, words) (compilelm/ops/token_bitmask.py), None if none
         if all(r.argmax_only for r in requests):  # the common case: one argmax, no host passes
-            if greedy_ids is None:
-                return SampledTensors(argmax_rows(logits), [], [])
-            if masked_rows is not None:  # only those rows change: their argmax into greedy_ids, in place
-                masked_rows = masked_rows.long()
-                greedy_ids.index_copy_(0, masked_rows, argmax_rows(logits.index_select(0, masked_rows)))
-            return SampledTensors(greedy_ids, [], [])
+            ids = greedy_ids if greedy_ids is not None else argmax_rows(logits)
+            if masks is not None:  # only the masked rows change: their argmax into ids, in place
+                token_bitmask.masked_argmax_rows_(logits, *masks, out=ids)
+            return SampledTensors(ids, [], [])
+        if masks is not None:
+            logits = token_bitmask.mask_logits_rows_(logits, *masks)
         logits = logits.float()  # everything else works in fp32, as vLLM's sampler does
         params = [r.sampling_params for r in requests]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]

@@ -67,3 +67,27 @@ def test_mask_kernel_matches_reference(dtype, vocab):
         got = mask_logits_rows_(logits, packed, k, words)
         assert got.data_ptr() == logits.data_ptr() and torch.equal(got, want)
         assert torch.isinf(got[rows[0]]).any() and not torch.isinf(got[1]).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vocab", [49152, 151936, 1000])
+def test_masked_argmax_kernel_matches_reference(dtype, vocab):
+    """The greedy rows' fused kernel: the reference's ids at the masked rows (bf16 logits tie
+    often at these widths: the first maximum must win), a mask refusing everything gives 0, the
+    other ids and the logits are left alone."""
+    from compilelm.ops.token_bitmask import masked_argmax_rows_, masked_argmax_rows_ref
+
+    g = torch.Generator().manual_seed(vocab + 1)
+    words = (vocab + 31) // 32 - (1 if vocab == 1000 else 0)
+    for k, rows in ((1, [3]), (4, [5, 0, 7, 2])):
+        masks = torch.randint(-2**31, 2**31 - 1, (k, words), generator=g, dtype=torch.int64).to(torch.int32)
+        masks[-1, :] = 0 if k > 1 else masks[-1, :]  # (k = 4: row 2 allows nothing)
+        packed = torch.cat([masks.flatten(), torch.tensor(rows, dtype=torch.int32)]).cuda()
+        logits = torch.randn(8, vocab, generator=g).to(dtype).cuda()
+        before = logits.clone()
+        want = masked_argmax_rows_ref(logits, packed, k, words, torch.full((8,), -1, dtype=torch.int64).cuda())
+        got = masked_argmax_rows_(logits, packed, k, words, torch.full((8,), -1, dtype=torch.int64).cuda())
+        assert torch.equal(got, want) and torch.equal(logits, before)
+        assert (got[[r for r in range(8) if r not in rows]] == -1).all()
+        if k > 1:
+            assert got[2] == 0

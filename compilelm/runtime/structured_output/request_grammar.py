@@ -4,8 +4,8 @@ The mask of step N+1 needs the token of step N accepted first. Synchronous steps
 `Scheduler.update_from_output`, before the next schedule. Under async scheduling the engine
 launches step N+1's forward, waits for step N's sampled ids (ready before that forward starts),
 accepts the constrained requests' tokens and starts N+1's masks on the mask thread; it processes
-step N's output and schedules N+2 while they fill, then masks and samples N+1 before N+2's
-inputs are prepared (engine.py). A constrained row waits for its own previous token, never for
+step N's output, schedules N+2 and prepares its inputs while they fill, then masks and samples
+N+1 before N+2's forward (engine.py). A constrained row waits for its own previous token, never for
 anything else, and unconstrained requests keep running ahead. While a mask fills, only the mask
 thread touches the matcher: the state the engine reads (`is_terminated`, `failed`) is kept from
 the last `accept`.
