@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import pytest
 import torch
@@ -165,8 +166,10 @@ def test_a_wider_model_than_its_tokenizer_keeps_the_tokenizers_eos():
 
 
 def test_constrained_outputs_follow_their_grammar_sync_and_async(engines):
+    interval = sys.getswitchinterval()
     (sync, _), (asyn, updates) = (_run(e, _requests()) for e in engines)
     assert sync == asyn
+    assert sys.getswitchinterval() == interval  # the mask thread's handoff interval is undone
     for i in range(4):
         tokens, text, reason = sync[f"json{i}"]
         assert reason == "stop", text  # ended by the grammar (the value is complete), not by length

@@ -11,7 +11,7 @@ CUDA graphs, after the replay: the logits are masked outside the graph, before s
 from __future__ import annotations
 
 import concurrent.futures
-import threading
+import sys
 
 import torch
 
@@ -38,10 +38,17 @@ class MaskFiller:
     starts it after waiting for the last step's sampled ids, which come after that step's mask
     copy), so the buffer is never rewritten under a pending copy.
 
+    The mask thread needs the GIL twice: to call into llguidance (which then runs without it) and
+    to return. The engine thread holds it meanwhile and would give it up only after the switch
+    interval (5 ms) or when it blocks on the masks, so while a fill runs the interval is
+    `handoff_interval` (the mask thread restores it when done): each handoff then costs tens of
+    microseconds and the engine thread never waits for the mask thread to start.
+
     `threaded` (class default): False fills on the calling thread and returns a finished Future
     (bench_structured's `--mask-fill inline` compares the two)."""
 
     threaded = True
+    handoff_interval = 5e-5  # seconds: sys.setswitchinterval while a fill runs
 
     def __init__(self, executor, vocab_size: int, pin: bool):
         self.executor, self.pin = executor, pin
@@ -61,20 +68,21 @@ class MaskFiller:
         packed[k * words:] = torch.tensor(rows, dtype=torch.int32)
         if not self.threaded:
             done = concurrent.futures.Future()
-            done.set_result(self._fill(matchers, packed, None, also or []))
+            done.set_result(self._fill_masks(matchers, packed, also or []))
             return done
-        inside = threading.Event()
-        future = self._thread.submit(self._fill, matchers, packed, inside, also or [])
-        # hand the GIL over until the mask thread is inside llguidance (which runs without it):
-        # else the thread would wait for the GIL until this one next blocks, i.e. not run at all
-        inside.wait()
-        return future
+        previous = sys.getswitchinterval()
+        sys.setswitchinterval(min(previous, self.handoff_interval))
+        return self._thread.submit(self._fill, matchers, packed, previous, also or [])
 
-    def _fill(self, matchers: list, packed: torch.Tensor, inside: threading.Event | None,
-              also: list[int]) -> torch.Tensor:
+    def _fill(self, matchers: list, packed: torch.Tensor, previous: float, also: list[int]) -> torch.Tensor:
+        """On the mask thread; `previous`: the switch interval to restore when done."""
+        try:
+            return self._fill_masks(matchers, packed, also)
+        finally:
+            sys.setswitchinterval(previous)
+
+    def _fill_masks(self, matchers: list, packed: torch.Tensor, also: list[int]) -> torch.Tensor:
         args = [(m, i) for i, m in enumerate(matchers)]
-        if inside is not None:  # (None: on the calling thread)
-            inside.set()
         self.executor.unsafe_compute_mask_ptr(args, packed.data_ptr(), self.words * 4, len(matchers))
         with torch.inference_mode():  # (thread-local) the buffer may be an inference tensor
             for i, token in enumerate(also):
