@@ -4,7 +4,10 @@ Compiled and eager code (fused and unfused ops, another kernel, fp8 quantization
 moved by one fp32 ulp) round differently; on a random model's flat logits that can flip a greedy
 choice, after which the streams share nothing. So a run is checked against a reference run token
 by token up to its first difference, where the reference's own logits must hold a near-tie: a
-wrong kernel or scale parts at once and by far more than `rel` of the largest logit.
+wrong kernel or scale parts at once and by far more than `rel` of the largest logit. The margin
+is recomputed by one eager forward of the prefix as a prefill (`forward_logits`), not read from
+the decode step that chose the token: in bf16 or with an fp8 cache it carries that path's
+rounding as well.
 """
 from __future__ import annotations
 
