@@ -12,7 +12,8 @@ streams already running.
    constrained batch per way of filling the masks (the mask thread; the engine thread itself),
    `--torch-threads 16,1` one set of batches per count of torch's intra-op threads;
    `--phases` times the engine's step phases (schedule, inputs, launches, the waits for sampled
-   ids and for masks, grammar accepts, output processing) in each batch's last run, us per step.
+   ids and for masks, grammar accepts, output processing) in each batch's last run, us per step,
+   and the mask fill itself (on the mask thread: it overlaps the engine's phases).
 2. New schema (the HTTP server): --streams streaming requests run; once each has streamed
    --arrive-after tokens, a chat request arrives without a constraint, then the same request
    with a JSON schema never seen before (--schema-fields properties: patterns, enums, nested
@@ -219,6 +220,7 @@ def time_phases(engine, totals: dict | None):
         yield
         return
     from compilelm.runtime import async_step
+    from compilelm.runtime.structured_output.bitmask import MaskFiller
 
     runner = engine.executor.model_runner
 
@@ -255,10 +257,13 @@ def time_phases(engine, totals: dict | None):
     runner.start_masks = timed(start_masks, "start masks")
     get = async_step.AsyncStepOutput.get
     async_step.AsyncStepOutput.get = timed(get, "wait for sampled ids")
+    fill = MaskFiller._fill_masks  # on the mask thread (or inline): overlaps the phases above
+    MaskFiller._fill_masks = timed(fill, "mask fill (llguidance + tags)")
     try:
         yield
     finally:
         async_step.AsyncStepOutput.get = get
+        MaskFiller._fill_masks = fill
         for obj, name, _ in patched + [(runner, "start_masks", None)]:
             delattr(obj, name)
 
