@@ -1,5 +1,6 @@
 """KVCacheManager: prefix-hit lengths, all-or-nothing allocation, caching of filled blocks, free."""
 
+import numpy as np
 import pytest
 
 from compilelm.config import CacheConfig
@@ -59,7 +60,7 @@ def test_hit_shares_blocks_and_counts_stats():
     prefill(m, a)
     b = make_request("b", list(range(8)) + [50, 51, 52])
     assert prefill(m, b) == 8
-    assert m.get_block_ids("b")[:2] == m.get_block_ids("a")[:2]
+    assert m.get_block_ids("b")[:2].tolist() == m.get_block_ids("a")[:2].tolist()
     assert m.get_block_ids("b")[2] not in m.get_block_ids("a")
     assert [m.block_pool.blocks[i].ref_cnt for i in m.get_block_ids("b")] == [2, 2, 1]
     assert (m.prefix_cache_stats.queries, m.prefix_cache_stats.hits) == (21, 8)
@@ -88,7 +89,7 @@ def test_allocate_returns_only_new_blocks():
     r.num_computed_tokens = 3
     new = m.allocate_slots(r, 3)
     assert [b.block_id for b in new] == [2]
-    assert m.get_block_ids("r") == [1, 2]
+    assert m.get_block_ids("r").tolist() == [1, 2]
 
 
 def test_allocate_failure_leaves_state_unchanged():
@@ -118,9 +119,9 @@ def test_free_returns_blocks_tail_first():
     m = KVCacheManager(BS, num_blocks=6)  # ids 1..5
     a = make_request("a", list(range(9)))
     prefill(m, a)
-    assert m.get_block_ids("a") == [1, 2, 3]
+    assert m.get_block_ids("a").tolist() == [1, 2, 3]
     m.free(a)
-    assert m.get_block_ids("a") == []
+    assert m.get_block_ids("a").tolist() == []
     assert m.usage == 0.0
     assert m.block_pool.free_block_ids() == [4, 5, 3, 2, 1]
     m.free(a)  # freeing twice is harmless
@@ -173,3 +174,17 @@ def test_cache_config_validation(kwargs, field):
     with pytest.raises(ValueError, match=field):
         CacheConfig(**kwargs)
     assert CacheConfig().block_size == 16
+
+
+def test_block_table_views_are_snapshots():
+    """A step keeps its view of a table while the request grows past the buffer and is freed."""
+    m = KVCacheManager(BS, num_blocks=64)
+    a = make_request("a", list(range(BS * 15 + 1)))
+    prefill(m, a)
+    first = m.get_block_ids("a")
+    assert first.dtype == np.int32 and first.tolist() == list(range(1, 17))
+    for t in range(a.num_tokens, a.num_tokens + 3 * BS):  # past the 16-entry buffer
+        decode(m, a, t)
+    assert m.get_block_ids("a").tolist() == list(range(1, 20)) and first.tolist() == list(range(1, 17))
+    m.free(a)
+    assert first.tolist() == list(range(1, 17))

@@ -36,7 +36,7 @@ def step(sched, model=counting_model, with_blocks=False):
     assert out.num_scheduled_tokens <= sched.config.max_num_batched_tokens
     plan = [
         (s.request.request_id, s.num_new_tokens, s.num_computed_tokens, s.do_sample)
-        + ((s.block_ids,) if with_blocks else ())
+        + ((s.block_ids.tolist(),) if with_blocks else ())
         for s in out.scheduled
     ]
     sampled = {s.request.request_id: model(s.request) for s in out.scheduled if s.do_sample}

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from compilelm.runtime.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 from compilelm.runtime.request import Request
 
@@ -25,13 +27,41 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+class BlockIds:
+    """One request's block table as int32 ids, appended in place. `view()` is a snapshot: written
+    entries never change (growth writes past them, or into a new buffer), so the scheduler hands
+    it to a step without a copy, and the step's table is filled row by row from arrays (a list
+    per row cost ~2 us at 50 blocks: 0.6 ms a step at 256 requests)."""
+
+    __slots__ = ("_ids", "_n")
+
+    def __init__(self) -> None:
+        self._ids = np.empty(16, np.int32)
+        self._n = 0
+
+    def extend(self, ids: list[int]) -> None:
+        need = self._n + len(ids)
+        if need > len(self._ids):
+            grown = np.empty(max(need, 2 * len(self._ids)), np.int32)
+            grown[:self._n] = self._ids[:self._n]
+            self._ids = grown
+        self._ids[self._n:need] = ids
+        self._n = need
+
+    def view(self) -> np.ndarray:
+        return self._ids[:self._n]
+
+
+_NO_BLOCKS = np.empty(0, np.int32)
+
+
 class KVCacheManager:
     def __init__(self, block_size: int, num_blocks: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
         self.enable_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.req_to_block_ids: dict[str, list[int]] = {}  # the same tables as ids, grown in step
+        self.req_to_block_ids: dict[str, BlockIds] = {}  # the same tables as ids, grown in step
         # How many of a request's leading blocks are already registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
@@ -84,9 +114,9 @@ class KVCacheManager:
             new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
             added = [*new_computed_blocks, *new_blocks]
             if rid not in self.req_to_blocks:
-                self.req_to_blocks[rid], self.req_to_block_ids[rid] = req_blocks, []
+                self.req_to_blocks[rid], self.req_to_block_ids[rid] = req_blocks, BlockIds()
             req_blocks.extend(added)  # in place: a long table is not copied every step
-            self.req_to_block_ids[rid].extend(b.block_id for b in added)
+            self.req_to_block_ids[rid].extend([b.block_id for b in added])
         if self.enable_caching:
             self._cache_full_blocks(request, req_blocks, min(num_total, request.num_tokens))
         return new_blocks
@@ -99,9 +129,10 @@ class KVCacheManager:
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """A copy of the request's block table (ids); the manager's own list grows in place."""
-        return list(self.req_to_block_ids.get(request_id, ()))
+    def get_block_ids(self, request_id: str) -> np.ndarray:
+        """The request's block table (int32 ids [num_blocks]), a snapshot (see BlockIds)."""
+        table = self.req_to_block_ids.get(request_id)
+        return _NO_BLOCKS if table is None else table.view()
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

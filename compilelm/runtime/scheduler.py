@@ -20,6 +20,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from compilelm.config import SchedulerConfig
 from compilelm.runtime.kv_cache_manager import KVCacheManager
 from compilelm.runtime.request import Request, RequestStatus
@@ -30,7 +32,7 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens to run: all_token_ids[num_computed_tokens : + num_new_tokens]
     num_computed_tokens: int  # tokens already in the KV cache (position of the first new token)
-    block_ids: list[int]  # the request's whole block table after allocation
+    block_ids: np.ndarray  # int32: the request's whole block table after allocation (a snapshot)
     do_sample: bool  # this step reaches the last known token, so sample the next one
 
 
