@@ -101,7 +101,15 @@ class KVCacheManager:
         hit `new_computed_blocks`, first schedule only). Returns the newly allocated blocks
         (maybe empty), or None without touching anything when the pool is too small."""
         rid = request.request_id
-        req_blocks = self.req_to_blocks.get(rid, [])
+        req_blocks = self.req_to_blocks.get(rid)
+        if req_blocks is not None and not new_computed_blocks:  # a running request: most steps fit
+            num_total = request.num_computed_tokens + num_new_tokens
+            if num_total <= len(req_blocks) * self.block_size:
+                if self.enable_caching and min(num_total, request.num_tokens) // self.block_size > \
+                        self.num_cached_blocks.get(rid, 0):
+                    self._cache_full_blocks(request, req_blocks, min(num_total, request.num_tokens))
+                return []
+        req_blocks = req_blocks if req_blocks is not None else []
         num_total = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
         num_new_blocks = max(-(-num_total // self.block_size) - len(req_blocks) - len(new_computed_blocks), 0)
         new_blocks = []

@@ -203,20 +203,22 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
-        params = request.sampling_params
-        token = request.output_token_ids[-1]
+        # (every request, every step: plain attribute reads, no properties)
+        params, outputs = request.sampling_params, request.output_token_ids
+        num_outputs = len(outputs)
         # EOS and stop ids only count once min_tokens are out; lengths always do.
-        if request.num_output_tokens >= params.min_tokens:
+        if num_outputs >= params.min_tokens:
+            token = outputs[-1]
             if token == request.eos_token_id and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
-            if token in (params.stop_token_ids or ()):
+            if params.stop_token_ids and token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
         if request.grammar is not None and request.grammar.is_terminated:
             return RequestStatus.FINISHED_STOPPED  # the constrained value is complete
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and num_outputs >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.config.max_model_len:
+        if len(request.all_token_ids) >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
