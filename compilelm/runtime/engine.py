@@ -347,6 +347,7 @@ class LLMEngine:
                 if lp is not None and id(req) in got_token and req.request_id in self._children:
                     self._record_logprobs(self._children[req.request_id][1], lp)
         touched: dict[str, _Parent] = {}
+        finishing: set[str] = set()  # parents with a child that finished this step (a stop string too)
         for req in updated:
             entry = self._children.get(req.request_id)
             if entry is None:
@@ -356,8 +357,10 @@ class LLMEngine:
             if parent.output_kind is RequestOutputKind.CUMULATIVE or req.is_finished or req.sampling_params.stop:
                 self._detokenize(child)
             touched[parent.request_id] = parent
-        return [self._make_output(p) for p in touched.values()
-                if p.output_kind is RequestOutputKind.CUMULATIVE or p.finished]
+            if req.is_finished:
+                finishing.add(parent.request_id)
+        return [self._make_output(p) for rid, p in touched.items()
+                if p.output_kind is RequestOutputKind.CUMULATIVE or (rid in finishing and p.finished)]
 
     def _record_logprobs(self, child: _Child, lp) -> None:
         child.cumulative_logprob += lp.logprobs[0]
