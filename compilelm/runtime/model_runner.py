@@ -414,7 +414,8 @@ class ModelRunner:
         out = StepOutput([], None, {})
         if logits is None:
             return out, None
-        out.prompt_logprobs = self._prompt_logprobs(sched, logits[step.num_sampled:])
+        if len(logits) > step.num_sampled:  # rows past the sampled ones: prompt logprobs asked for
+            out.prompt_logprobs = self._prompt_logprobs(sched, logits[step.num_sampled:])
         out.sampled = [sr.request for sr in sched.scheduled if sr.do_sample]
         if not out.sampled:
             return out, None
