@@ -84,24 +84,26 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
 
-        # running: decodes and the next chunks of partial prefills
+        # running: decodes and the next chunks of partial prefills (every request, every step:
+        # attributes and bound methods read once)
+        running, allocate, plan = self.running, self.kv_cache_manager.allocate_slots, self._scheduled
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            if request.num_output_placeholders and self._will_finish_by_length(request):
+        while i < len(running) and budget > 0:
+            request = running[i]
+            pending = request.num_output_placeholders
+            if pending and self._will_finish_by_length(request):
                 i += 1  # its last token is in flight: nothing left to run
                 continue
-            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
-                          budget)
-            while self.kv_cache_manager.allocate_slots(request, num_new) is None:
-                victim = self.running.pop()
+            num_new = min(len(request.all_token_ids) + pending - request.num_computed_tokens, budget)
+            while allocate(request, num_new) is None:
+                victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
             if request.status is RequestStatus.PREEMPTED:
                 break
-            scheduled.append(self._scheduled(request, num_new))
+            scheduled.append(plan(request, num_new))
             budget -= num_new
             i += 1
 
@@ -175,23 +177,18 @@ class Scheduler:
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         """The plan entry; the request's progress advances now (its tokens are in flight)."""
         start = request.num_computed_tokens
-        do_sample = start + num_new == request.num_tokens + request.num_output_placeholders
-        request.num_computed_tokens += num_new
+        do_sample = start + num_new == len(request.all_token_ids) + request.num_output_placeholders
+        request.num_computed_tokens = start + num_new
         if do_sample:
             request.num_output_placeholders += 1
-        return ScheduledRequest(
-            request=request,
-            num_new_tokens=num_new,
-            num_computed_tokens=start,
-            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-            do_sample=do_sample,
-        )
+        return ScheduledRequest(request, num_new, start, self.kv_cache_manager.get_block_ids(request.request_id),
+                                do_sample)
 
     def _will_finish_by_length(self, request: Request) -> bool:
         """The tokens in flight reach max_tokens or max_model_len: the request stops there."""
         params, pending = request.sampling_params, request.num_output_placeholders
-        return ((params.max_tokens is not None and request.num_output_tokens + pending >= params.max_tokens)
-                or request.num_tokens + pending >= self.config.max_model_len)
+        return ((params.max_tokens is not None and len(request.output_token_ids) + pending >= params.max_tokens)
+                or len(request.all_token_ids) + pending >= self.config.max_model_len)
 
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute: drop the cache, go back to the front of the queue."""
