@@ -87,3 +87,17 @@ def test_prepare_step_matches_reference(seed):
     assert step.num_sampled == want["num_sampled"]
     pending = list(zip(step.pending_rows.tolist(), step.pending_src.tolist())) if step.pending_rows is not None else []
     assert pending == want["pending"]
+
+
+def test_pending_token_without_a_source_is_an_error():
+    """A decode of a token that is neither known nor in the last step's output names the request."""
+    sched, last_sampled = random_schedule(0)
+    req = Request("lost", [5, 6, 7], SamplingParams())
+    req.num_output_placeholders = 1
+    sched.scheduled.append(ScheduledRequest(req, 1, req.num_tokens, [1], True))
+    runner = types.SimpleNamespace(block_size=BLOCK, dispatcher=CudaGraphDispatcher((1, 2, 4, 8), (8, 16)),
+                                   last_sampled=(None, last_sampled))
+    runner._pending_source = ModelRunner._pending_source
+    runner._num_prompt_logprob_rows = ModelRunner._num_prompt_logprob_rows
+    with pytest.raises(RuntimeError, match="'lost'"):
+        ModelRunner.prepare_step(runner, sched)

@@ -188,7 +188,10 @@ class ModelRunner:
         lens = np.fromiter((sr.num_new_tokens for sr in scheduled), np.int64, num_reqs)
         cu = np.zeros(num_reqs + 1, np.int64)
         np.cumsum(lens, out=cu[1:])
-        block_tables = np.zeros((num_reqs, max(len(sr.block_ids) for sr in scheduled)), np.int32)  # pad: null block
+        tables = [sr.block_ids for sr in scheduled]
+        widths = np.fromiter(map(len, tables), np.int64, num_reqs)
+        block_tables = np.zeros((num_reqs, int(widths.max())), np.int32)  # pad: null block
+        block_tables[np.arange(block_tables.shape[1]) < widths[:, None]] = np.concatenate(tables)  # row by row
         ids, pending_rows, pending_src, prompt_rows = [], [], [], []
         last_rows = sampled_rows(after) if after is not None else (
             None if self.last_sampled is None else self.last_sampled[1])
@@ -199,8 +202,10 @@ class ModelRunner:
             if len(known) < n:  # the last row decodes the token still on the device
                 ids.append(0)
                 pending_rows.append(i)  # (the request's index; its last row below)
-                pending_src.append(self._pending_source(request, start + n - 1, last_rows))
-            block_tables[i, :len(sr.block_ids)] = sr.block_ids
+                row = None if last_rows is None else last_rows.get(request.request_id)
+                if row is None or start + n - 1 != len(request.all_token_ids) or request.num_output_placeholders < 1:
+                    self._pending_source(request, start + n - 1, last_rows)  # raises, naming the request
+                pending_src.append(row)
             if request.sampling_params.prompt_logprobs is not None:
                 num_prompt_rows = self._num_prompt_logprob_rows(sr)
                 if num_prompt_rows:
