@@ -158,7 +158,7 @@ class Executor:
 
     def launch_forward(self, sched: SchedulerOutput, step: StepInputs | None = None):
         """ModelRunner.launch_forward on every rank; (rank 0's StepInputs, its logits)."""
-        step = step or self.prepare_step(sched)
+        step = step if step is not None else self.prepare_step(sched)
         if self.broadcast is None:
             return self.driver.model_runner.launch_forward(sched, step)
         return step, self._run_step(step)

@@ -345,7 +345,7 @@ class ModelRunner:
         The engine runs the host's work on the previous step in between (grammars accept its
         tokens) before `sample_async` masks and samples these logits. `step`: its
         `prepare_step`, if already made."""
-        step = step or self.prepare_step(sched)
+        step = step if step is not None else self.prepare_step(sched)
         return step, self.run_step(step)
 
     def warm_up_masks(self) -> None:
