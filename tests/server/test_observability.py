@@ -112,15 +112,19 @@ def test_logs_can_be_switched_off(model):
     assert log.count("--disable-log-requests: requests are not logged by default") == 1
 
 
-def test_stats_logger_rates_and_idle_level(caplog):
+def test_stats_logger_rates_and_idle_level(caplog, monkeypatch):
     import logging
+    import types
 
+    from compilelm.entrypoints.openai import stats_logger
     from compilelm.entrypoints.openai.stats_logger import StatsLogger
 
+    clock = [1000.0]  # the logger's monotonic clock, advanced by hand: rates over exactly 2 s
+    monkeypatch.setattr(stats_logger, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     stats = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "prefix_cache_queries": 0,
              "prefix_cache_hits": 0, "num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
     sl = StatsLogger(lambda: stats, interval=1.0)
-    sl._last_time -= 2.0  # two seconds ago
+    clock[0] += 2.0
     stats.update(prompt_tokens_total=100, generation_tokens_total=20, prefix_cache_queries=100,
                  prefix_cache_hits=25, num_running=2, num_waiting=1, kv_cache_usage=0.5)
     with caplog.at_level(logging.DEBUG, logger="compilelm"):
