@@ -74,7 +74,6 @@ def test_prepare_step_matches_reference(seed):
     sched, last_sampled = random_schedule(seed)
     runner = types.SimpleNamespace(block_size=BLOCK, dispatcher=CudaGraphDispatcher((1, 2, 4, 8), (8, 16)),
                                    last_sampled=(None, last_sampled))
-    runner._pending_source = ModelRunner._pending_source
     runner._num_prompt_logprob_rows = ModelRunner._num_prompt_logprob_rows
     step = ModelRunner.prepare_step(runner, sched)
     want, b = reference(sched, last_sampled), step.batch
@@ -97,7 +96,6 @@ def test_pending_token_without_a_source_is_an_error():
     sched.scheduled.append(ScheduledRequest(req, 1, req.num_tokens, [1], True))
     runner = types.SimpleNamespace(block_size=BLOCK, dispatcher=CudaGraphDispatcher((1, 2, 4, 8), (8, 16)),
                                    last_sampled=(None, last_sampled))
-    runner._pending_source = ModelRunner._pending_source
     runner._num_prompt_logprob_rows = ModelRunner._num_prompt_logprob_rows
     with pytest.raises(RuntimeError, match="'lost'"):
         ModelRunner.prepare_step(runner, sched)

@@ -30,8 +30,8 @@ class PrefixCacheStats:
 class BlockIds:
     """One request's block table as int32 ids, appended in place. `view()` is a snapshot: written
     entries never change (growth writes past them, or into a new buffer), so the scheduler hands
-    it to a step without a copy, and the step's table is filled row by row from arrays (a list
-    per row cost ~2 us at 50 blocks: 0.6 ms a step at 256 requests)."""
+    it to a step without a copy, and the step's table is filled from arrays, not lists
+    (docs/perf.md, "Host overhead and async scheduling")."""
 
     __slots__ = ("_ids", "_n")
 
@@ -105,9 +105,10 @@ class KVCacheManager:
         if req_blocks is not None and not new_computed_blocks:  # a running request: most steps fit
             num_total = request.num_computed_tokens + num_new_tokens
             if num_total <= len(req_blocks) * self.block_size:
-                if self.enable_caching and min(num_total, request.num_tokens) // self.block_size > \
-                        self.num_cached_blocks.get(rid, 0):
-                    self._cache_full_blocks(request, req_blocks, min(num_total, request.num_tokens))
+                num_written = min(num_total, request.num_tokens)
+                # (_cache_full_blocks's own test, made here: most steps fill no block)
+                if self.enable_caching and num_written // self.block_size > self.num_cached_blocks.get(rid, 0):
+                    self._cache_full_blocks(request, req_blocks, num_written)
                 return []
         req_blocks = req_blocks if req_blocks is not None else []
         num_total = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens

@@ -193,7 +193,7 @@ class ModelRunner:
         block_tables = np.zeros((num_reqs, int(widths.max())), np.int32)  # pad: null block
         block_tables[np.arange(block_tables.shape[1]) < widths[:, None]] = np.concatenate(tables)  # row by row
         ids, pending_rows, pending_src, prompt_rows = [], [], [], []
-        last_rows = sampled_rows(after) if after is not None else (
+        last_rows = sampled_rows([sr.request for sr in after.scheduled if sr.do_sample]) if after is not None else (
             None if self.last_sampled is None else self.last_sampled[1])
         for i, sr in enumerate(scheduled):
             request, start, n = sr.request, sr.num_computed_tokens, sr.num_new_tokens
@@ -202,9 +202,11 @@ class ModelRunner:
             if len(known) < n:  # the last row decodes the token still on the device
                 ids.append(0)
                 pending_rows.append(i)  # (the request's index; its last row below)
+                # its source: the request's row in the last async step's output
                 row = None if last_rows is None else last_rows.get(request.request_id)
                 if row is None or start + n - 1 != len(request.all_token_ids) or request.num_output_placeholders < 1:
-                    self._pending_source(request, start + n - 1, last_rows)  # raises, naming the request
+                    raise RuntimeError(f"request {request.request_id!r}: token {start + n - 1} is neither known "
+                                       "nor pending from the previous step")
                 pending_src.append(row)
             if request.sampling_params.prompt_logprobs is not None:
                 num_prompt_rows = self._num_prompt_logprob_rows(sr)
@@ -228,16 +230,6 @@ class ModelRunner:
             step.pending_rows = cu[1:][pending_rows] - 1
             step.pending_src = np.asarray(pending_src, dtype=np.int64)
         return step
-
-    @staticmethod
-    def _pending_source(request, position: int, last_rows: dict[str, int] | None) -> int:
-        """The row of `request`'s pending token (at `position`) in the last async step's output
-        (`last_rows`: request id -> row)."""
-        row = None if last_rows is None else last_rows.get(request.request_id)
-        if position != request.num_tokens or request.num_output_placeholders < 1 or row is None:
-            raise RuntimeError(f"request {request.request_id!r}: token {position} is neither known nor "
-                               "pending from the previous step")
-        return row
 
     @staticmethod
     def _num_prompt_logprob_rows(sr) -> int:
@@ -383,7 +375,7 @@ class ModelRunner:
         if step.share_sampled == "broadcast" and sampled is not None:
             sampled.token_ids = sampled.token_ids.contiguous()
             tensor_model_parallel_broadcast(sampled.token_ids)  # to receive_sampled on the other ranks
-        self.last_sampled = None if sampled is None else (sampled.token_ids, sampled_rows(sched))
+        self.last_sampled = None if sampled is None else (sampled.token_ids, sampled_rows(out.sampled))
         return AsyncStepOutput(out, sampled, check)
 
     @torch.inference_mode()
@@ -464,9 +456,9 @@ class GrammarMasks:
     packed: concurrent.futures.Future
 
 
-def sampled_rows(sched: SchedulerOutput) -> dict[str, int]:
-    """request id -> its row among the step's sampled ids (the requests that sample, in order)."""
-    return {sr.request.request_id: i for i, sr in enumerate(r for r in sched.scheduled if r.do_sample)}
+def sampled_rows(sampled: list) -> dict[str, int]:
+    """request id -> its row among a step's sampled ids (`sampled`: the requests that sample, in order)."""
+    return {r.request_id: i for i, r in enumerate(sampled)}
 
 
 def _in_order(index: np.ndarray) -> bool:

@@ -266,7 +266,7 @@ def test_engine_bf16_fp8_kv_graphs_and_eager_agree(tmp_path, decode_kernel):
     graphs vs eager: the same kernels on the same K/V; compiled bf16 rounds otherwise than eager,
     and e4m3's 3 mantissa bits make a last-bit change of a cached value a code (up to 1/16 of it),
     so the streams may part, each only where eager's logits are within 10% of the largest one
-    (tests/near_ties.py; on an H200 they part by 2-6%; a wrong scale or kernel parts by far more)."""
+    (tests/near_ties.py; a wrong scale or kernel parts by far more)."""
     from compilelm import LLM, SamplingParams
     from tests.gpu.test_engine_gpu import build_hf_model, prompts
     from tests.near_ties import assert_parts_only_at_near_ties
