@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from compilelm.config import CacheConfig, EngineConfig, SchedulerConfig, scheduler_defaults
+from compilelm.inputs import PromptType, is_single_prompt
 from compilelm.models.tokenizer import apply_chat_template
 from compilelm.outputs import RequestOutput
 from compilelm.runtime.engine import LLMEngine
@@ -60,10 +61,12 @@ class LLM:
         self.engine = LLMEngine(engine_config or make_engine_config(model, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+    def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Outputs in the prompts' order. A prompt: text, token ids, or vLLM's TextPrompt /
+        TokensPrompt dict; one prompt or a list of them; one SamplingParams or one per prompt."""
+        if is_single_prompt(prompts):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
@@ -88,11 +91,28 @@ class LLM:
         (--generation-config; vLLM's rule), else SamplingParams()."""
         return SamplingParams(**self.engine.default_sampling_params())
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """One conversation or a list of them, rendered with the model's chat template (or
+        `chat_template`, a template string) and generated; vLLM's arguments."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c) for c in conversations]
+        kwargs = dict(chat_template_kwargs or {})
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
+        if tools is not None:
+            kwargs["tools"] = tools
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
+        prompts = [apply_chat_template(self.tokenizer, c, add_generation_prompt=add_generation_prompt, **kwargs)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return apply_chat_template(self.tokenizer, messages)
+    def apply_chat_template(self, messages: list[dict], **kwargs) -> list[int]:
+        """A conversation's prompt token ids (kwargs: as `chat`'s)."""
+        return apply_chat_template(self.tokenizer, messages, **kwargs)

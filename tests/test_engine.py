@@ -146,3 +146,54 @@ def test_missing_model_path_is_clear():
         LLM("/nonexistent/model")
     with pytest.raises(ValueError, match="unknown dummy model"):
         LLM("dummy:gpt-17")
+
+
+def test_vllm_prompt_forms_give_the_same_request(llm):
+    """Text, token ids (list, numpy), TextPrompt and TokensPrompt dicts: one request each, the same
+    ids and greedy tokens; a TokensPrompt's text is echoed; one dict is one prompt, not a batch."""
+    import numpy as np
+
+    from compilelm import TextPrompt, TokensPrompt
+    text = "The capital of France is"
+    ids = llm.tokenizer.encode(text, add_special_tokens=True)
+    forms = [text, ids, np.array(ids), TextPrompt(prompt=text), TokensPrompt(prompt_token_ids=ids),
+             TokensPrompt(prompt_token_ids=ids, prompt=text)]
+    outs = llm.generate(forms, _greedy(), use_tqdm=False)
+    assert all(o.prompt_token_ids == ids for o in outs)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    assert [o.prompt for o in outs] == [text, None, None, text, None, text]
+    single = llm.generate({"prompt_token_ids": ids}, _greedy(), use_tqdm=False)
+    assert len(single) == 1 and single[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("prompt, error, match", [
+    ({"prompt": "hi", "multi_modal_data": {"image": 1}}, ValueError, "'multi_modal_data': multimodal"),
+    ({"prompt_embeds": [[0.0]]}, ValueError, "prompt embeddings"),
+    ({"prompt_ids": [1, 2]}, ValueError, "unknown prompt key.*'prompt_ids'"),
+    ({}, ValueError, "needs 'prompt'"),
+    ({"prompt_token_ids": [1, "2"]}, TypeError, r"integer token ids, got '2'"),
+    ([1.0, 2.0], TypeError, "integer token ids, got 1.0"),
+    ({"prompt": 5}, TypeError, "must be a string"),
+    (7, TypeError, "list of token ids, got int"),
+])
+def test_bad_prompt_forms_are_named(llm, prompt, error, match):
+    with pytest.raises(error, match=match):
+        llm.engine.add_request(None, prompt, _greedy())
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_chat_takes_vllms_template_arguments(llm):
+    """chat(chat_template=, tools=, chat_template_kwargs=, add_generation_prompt=) render as the
+    template says (checked against the text written out by hand), then generate from those ids."""
+    template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                "{% for t in tools or [] %}tool {{ t.name }}\n{% endfor %}"
+                "{% if add_generation_prompt %}{{ 'think' if thinking else 'answer' }}:{% endif %}")
+    msgs = [{"role": "user", "content": "Hello there"}]
+    tok = llm.get_tokenizer()
+    out = llm.chat(msgs, _greedy(), use_tqdm=False, chat_template=template, tools=[{"name": "clock"}],
+                   chat_template_kwargs={"thinking": True})[0]
+    assert out.prompt_token_ids == tok.encode("user: Hello there\ntool clock\nthink:", add_special_tokens=False)
+    plain = llm.chat([msgs, msgs], _greedy(), use_tqdm=False, chat_template=template, add_generation_prompt=False)
+    assert [o.prompt_token_ids for o in plain] == [tok.encode("user: Hello there\n", add_special_tokens=False)] * 2
+    alone = llm.generate(out.prompt_token_ids, _greedy(), use_tqdm=False)[0]
+    assert alone.outputs[0].token_ids == out.outputs[0].token_ids

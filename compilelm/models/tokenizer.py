@@ -135,7 +135,7 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
                         **template_kwargs) -> list[int]:
     """Render a conversation with the model's chat template and tokenize it (the template writes
     the special tokens itself, so none are added again)."""
-    if not getattr(tokenizer, "chat_template", None):
+    if not getattr(tokenizer, "chat_template", None) and not template_kwargs.get("chat_template"):
         raise ValueError("this model has no chat template")
     text = tokenizer.apply_chat_template(messages, tokenize=False,
                                          add_generation_prompt=add_generation_prompt, **template_kwargs)

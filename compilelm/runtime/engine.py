@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from compilelm.config import EngineConfig, SchedulerConfig, scheduler_defaults
+from compilelm.inputs import PromptType, parse_prompt
 from compilelm.models.dtype import resolve_dtype
 from compilelm.models.generation_config import load_generation_defaults
 from compilelm.models.loader import load_model_config, resolve_model
@@ -174,16 +175,16 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str | None, prompt: str | list[int],
+    def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | None = None, arrival_time: float | None = None) -> str:
+        """Queue a prompt (text, token ids, or vLLM's TextPrompt / TokensPrompt dicts); returns its id."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        else:
-            text, token_ids = None, list(prompt)
+        text, token_ids = parse_prompt(prompt)
+        if token_ids is None:
+            token_ids = self.tokenizer.encode(text, add_special_tokens=True)
         self.validate_prompt(token_ids, params)
         if params.structured_outputs is not None:  # a GrammarError (ValueError) before anything is added
             self.structured_output.compile(params.structured_outputs)
