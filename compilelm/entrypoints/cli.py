@@ -1,4 +1,4 @@
-"""`compilelm` command line: generate, compile, serve, passes."""
+"""`compilelm` command line: generate, compile, serve, bench, passes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib
 import logging
 import sys
 
-SUBCOMMANDS = ["generate", "compile", "serve", "passes"]
+SUBCOMMANDS = ["generate", "compile", "serve", "bench", "passes"]
 
 
 def build_parser() -> argparse.ArgumentParser:
