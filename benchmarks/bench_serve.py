@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     proc, url = (None, args.base_url) if args.base_url else launch(args.server_args)
     b = bench_args(args)
     metrics, points = serve.check_args(b)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = serve.auth_headers()
     try:
         model = httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
         vocab = len(serve.load_tokenizer_for(model))

@@ -109,7 +109,7 @@ class LLM:
             kwargs["tools"] = tools
         if continue_final_message:
             kwargs["continue_final_message"] = True
-        prompts = [apply_chat_template(self.tokenizer, c, add_generation_prompt=add_generation_prompt, **kwargs)
+        prompts = [self.apply_chat_template(c, add_generation_prompt=add_generation_prompt, **kwargs)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -77,6 +77,12 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
 
 
+def auth_headers() -> dict:
+    """The bearer token of OPENAI_API_KEY (vLLM's bench reads the key from there), if set."""
+    key = os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def check_args(args) -> tuple[list[str], list[float]]:
     """(metrics, percentiles), or ArgError naming the flag."""
     if args.dataset_name != "random":
@@ -183,7 +189,7 @@ async def benchmark(args, base_url: str, requests: list[BenchRequest], texts: li
                     endpoint: str) -> tuple[list[RequestResult], float, int]:
     """(results in request order, duration in seconds, the most requests in flight at once)."""
     import httpx
-    headers = {"Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"} if os.environ.get("OPENAI_API_KEY") else {}
+    headers = auth_headers()
     limit = args.max_concurrency or len(requests)
     semaphore = asyncio.Semaphore(limit)
     gaps = arrival_gaps(len(requests), args.request_rate, args.burstiness, random.Random(args.seed))
@@ -297,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
     metrics, points = check_args(args)
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     endpoint = args.endpoint or ("/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions")
-    headers = {"Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"} if os.environ.get("OPENAI_API_KEY") else {}
+    headers = auth_headers()
     wait_ready(base_url, headers, args.ready_check_timeout_sec)
     model = args.model
     if model is None:
