@@ -4,8 +4,10 @@ default decode kernel (tensor cores where the launch fills the GPU) beside the C
 (`cuda_cores_us`, torch.ops.compilelm.set_decode_mma(False)) on the same inputs.
 
     python benchmarks/bench_attention.py [--batches 1 4 16 64 256] [--contexts 512 2048 8192 32768]
+                                         [--heads 32 8] [--vllm-site /tmp/vllm_site]
 
-Shapes are Llama-3-8B's attention (32 query heads, 8 kv heads, head_size 128), bf16, block 16,
+Shapes are Llama-3-8B's attention (32 query heads, 8 kv heads, head_size 128; `--heads` for others,
+e.g. Qwen3-0.6B's 16 8), bf16, block 16,
 one decode row per sequence, every sequence at the full context, called as a full decode graph
 calls it (max_query_len=1). Cache layouts (`--layouts`): slot_major = [num_blocks, block_size,
 num_kv_heads, head_size] contiguous (a slot's heads side by side; the engine's), head_major =
@@ -17,7 +19,9 @@ device-to-device copies, the faster of cudaMemcpy and an elementwise kernel (bot
 measured in the same run. Each point is CUDA-graph replays (how the engine runs decode), median
 over --iters replays after warm-up; small shapes rotate over several block tables on disjoint
 pages (and SDPA over several KV tensors) so that L2 does not serve them. Target: >= 80% of the copy
-bandwidth where batch x context >= 256k tokens.
+bandwidth where batch x context >= 256k tokens. With --vllm-site (a vLLM 0.26.0 site folder, as
+scripts/gpu_vs_vllm.sh unpacks it), FlashAttention 3 as vLLM calls it for decode rows
+(flash_attn_varlen_func on the same paged cache and block tables) is timed beside it (`fa3_us`).
 
 Prints a table and writes JSON (default benchmarks/results/bench_attention.json). No asserts.
 """
@@ -35,10 +39,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
+from benchmarks.bench_prefill_attention import load_fa3  # noqa: E402
 from benchmarks.common import print_table, write_result  # noqa: E402
 from compilelm.ops import paged_attention  # noqa: E402
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16
+NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16  # defaults (--heads)
 TARGET_TOKENS, TARGET_SHARE = 256 * 1024, 0.8
 SPEC_GBPS = {"H100 80GB HBM3": 3350, "H200": 4800}  # datasheet HBM bandwidth (H100 SXM5, H200 SXM)
 
@@ -110,19 +115,26 @@ def make_cache(shape, layout: str, gen) -> torch.Tensor:
                        dtype=DTYPE).transpose(1, 2)
 
 
-def bench_point(batch: int, context: int, l2_bytes: int, iters: int, layout: str) -> dict:
+def bench_point(batch: int, context: int, l2_bytes: int, iters: int, layout: str,
+                heads: tuple[int, int] = (NUM_HEADS, NUM_KV_HEADS), fa3=None, splits=(),
+                pages: str = "shuffled") -> dict:
+    num_heads, num_kv_heads = heads
     blocks_per_seq = context // BLOCK_SIZE
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_SIZE * DTYPE.itemsize
+    kv_bytes = 2 * batch * context * num_kv_heads * HEAD_SIZE * DTYPE.itemsize
     sets = max(1, min(32, math.ceil(4 * l2_bytes / kv_bytes)))  # disjoint working sets
     calls = max(sets, 4)
     gen = torch.Generator(device="cuda").manual_seed(batch * 100003 + context)
     num_blocks = 1 + sets * batch * blocks_per_seq
-    cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+    cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_SIZE)
     key_cache, value_cache = make_cache(cache_shape, layout, gen), make_cache(cache_shape, layout, gen)
-    # each set owns its pages, in random order (a long-running cache is not laid out in order)
-    pages = 1 + torch.randperm(num_blocks - 1, generator=gen, device="cuda").to(torch.int32)
-    tables = pages.view(sets, batch, blocks_per_seq)
-    query = torch.randn(sets, batch, NUM_HEADS, HEAD_SIZE, generator=gen, device="cuda", dtype=DTYPE)
+    # each set owns its pages, in random order (a long-running cache is not laid out in order), or
+    # (pages="in_order") each sequence's pages one run after the other, as a fresh block pool hands them out
+    if pages == "in_order":
+        ids = torch.arange(1, num_blocks, device="cuda", dtype=torch.int32)
+    else:
+        ids = 1 + torch.randperm(num_blocks - 1, generator=gen, device="cuda").to(torch.int32)
+    tables = ids.view(sets, batch, blocks_per_seq)
+    query = torch.randn(sets, batch, num_heads, HEAD_SIZE, generator=gen, device="cuda", dtype=DTYPE)
     cu_seqlens_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
     seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
     scale = HEAD_SIZE**-0.5
@@ -142,9 +154,17 @@ def bench_point(batch: int, context: int, l2_bytes: int, iters: int, layout: str
     finally:
         torch.ops.compilelm.set_decode_mma(previous)
 
+    split_us = {}  # forced split-K counts (torch.ops.compilelm.set_decode_splits)
+    for n in splits:
+        previous = torch.ops.compilelm.set_decode_splits(n)
+        try:
+            split_us[n] = time_graph(paged, calls, iters) * 1e6
+        finally:
+            torch.ops.compilelm.set_decode_splits(previous)
+
     # SDPA on the same keys/values laid out contiguously: [sets, batch, kv_heads, context, head_size]
     def contiguous(cache):
-        return cache[tables.long()].reshape(sets, batch, context, NUM_KV_HEADS, HEAD_SIZE).transpose(2, 3).contiguous()
+        return cache[tables.long()].reshape(sets, batch, context, num_kv_heads, HEAD_SIZE).transpose(2, 3).contiguous()
 
     key, value = contiguous(key_cache), contiguous(value_cache)
     sdpa_query = query.unsqueeze(3)  # [sets, batch, num_heads, 1, head_size]
@@ -156,15 +176,28 @@ def bench_point(batch: int, context: int, l2_bytes: int, iters: int, layout: str
     sdpa_s = time_graph(sdpa, calls, iters)
     max_diff = (paged(0).float() - sdpa(0).squeeze(2).float()).abs().max().item()  # same function?
 
+    fa3_point = {}
+    if fa3 is not None:  # as vLLM's FlashAttention backend calls it for a batch of decode rows
+        def flash(i):
+            s = i % sets
+            return fa3(query[s], key_cache, value_cache, max_seqlen_q=1, cu_seqlens_q=cu_seqlens_q,
+                       max_seqlen_k=context, seqused_k=seq_lens, softmax_scale=scale, causal=True,
+                       block_table=tables[s], fa_version=3)
+
+        fa3_s = time_graph(flash, calls, iters)
+        fa3_point = {"fa3_us": fa3_s * 1e6, "fa3_GBps": kv_bytes / fa3_s / 1e9, "speedup_vs_fa3": fa3_s / paged_s,
+                     "max_abs_diff_vs_fa3": (paged(0).float() - flash(0).float()).abs().max().item()}
+
     tokens = batch * context
     return {
-        "layout": layout, "batch": batch, "context": context, "tokens": tokens, "kv_MB": kv_bytes / 1e6,
+        "layout": layout, "pages": pages, "batch": batch, "context": context, "tokens": tokens, "kv_MB": kv_bytes / 1e6,
         "working_sets": sets,
         "paged_us": paged_s * 1e6, "paged_GBps": kv_bytes / paged_s / 1e9,
         "cuda_cores_us": cuda_cores_s * 1e6, "cuda_cores_GBps": kv_bytes / cuda_cores_s / 1e9,
         "max_abs_diff_vs_cuda_cores": cuda_cores_diff,
         "sdpa_us": sdpa_s * 1e6, "sdpa_GBps": kv_bytes / sdpa_s / 1e9, "speedup_vs_sdpa": sdpa_s / paged_s,
         "sdpa_backend": sdpa_backend(sdpa_query[0], key[0], value[0]), "max_abs_diff_vs_sdpa": max_diff,
+        **fa3_point, **({"splits_us": split_us} if split_us else {}),
     }
 
 
@@ -176,8 +209,15 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--layouts", nargs="+", choices=["slot_major", "head_major"],
                         default=["slot_major"])
+    parser.add_argument("--heads", type=int, nargs=2, default=[NUM_HEADS, NUM_KV_HEADS], metavar=("Q", "KV"),
+                        help="query and kv heads (head_size 128)")
+    parser.add_argument("--vllm-site", default=None, help="time vLLM's FlashAttention 3 beside ours")
+    parser.add_argument("--pages", choices=["shuffled", "in_order"], default="shuffled",
+                        help="each sequence's pages in random order, or one run in id order")
+    parser.add_argument("--splits", type=int, nargs="*", default=[], help="also time these forced split-K counts")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench_attention.json)")
     args = parser.parse_args()
+    fa3 = load_fa3(args.vllm_site)
 
     copy = copy_bandwidth(args.iters)
     copy_Bps = copy["copy_GBps"] * 1e9
@@ -187,16 +227,20 @@ def main() -> None:
     points = [(layout, batch, context) for layout in args.layouts for batch in args.batches
               for context in args.contexts if batch * context <= args.max_tokens]
     for layout, batch, context in points:
-        row = bench_point(batch, context, l2_bytes, args.iters, layout)
+        row = bench_point(batch, context, l2_bytes, args.iters, layout, tuple(args.heads), fa3, args.splits, args.pages)
         row["pct_of_copy_bw"] = 100 * row["paged_GBps"] * 1e9 / copy_Bps
         row["pct_of_spec_bw"] = 100 * row["paged_GBps"] / spec_GBps if spec_GBps else None
         rows.append(row)
+        if row.get("splits_us"):
+            print(f"b{batch} c{context} forced splits (us):", {n: round(us, 1) for n, us in row["splits_us"].items()},
+                  f"default {row['paged_us']:.1f}")
         torch.cuda.empty_cache()
 
     print(f"device-to-device copy (read + write): memcpy {copy['memcpy_GBps']:.0f} GB/s, "
           f"elementwise kernel {copy['elementwise_GBps']:.0f} GB/s; spec {spec_GBps} GB/s")
     print_table(rows, ["layout", "batch", "context", "paged_us", "paged_GBps", "pct_of_copy_bw", "pct_of_spec_bw",
-                       "cuda_cores_us", "sdpa_us", "sdpa_GBps", "speedup_vs_sdpa", "sdpa_backend",
+                       "cuda_cores_us", *(["fa3_us", "fa3_GBps", "speedup_vs_fa3"] if fa3 else []),
+                       "sdpa_us", "sdpa_GBps", "speedup_vs_sdpa", "sdpa_backend",
                        "max_abs_diff_vs_sdpa", "max_abs_diff_vs_cuda_cores"])
     large = [r["pct_of_copy_bw"] for r in rows if r["tokens"] >= TARGET_TOKENS and r["layout"] == args.layouts[0]]
     summary = {
@@ -208,7 +252,7 @@ def main() -> None:
         "target_met": bool(large) and min(large) >= 100 * TARGET_SHARE,
     }
     print(summary)
-    shapes = dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, block_size=BLOCK_SIZE,
+    shapes = dict(num_heads=args.heads[0], num_kv_heads=args.heads[1], head_size=HEAD_SIZE, block_size=BLOCK_SIZE,
                   dtype=str(DTYPE), iters=args.iters)
     print("wrote", write_result("bench_attention", {"shapes": shapes, "summary": summary, "rows": rows}, args.out))
 

@@ -90,10 +90,10 @@ def profile(fn, steps: int) -> tuple[list, float]:
     return kernels(prof), wall
 
 
-def run_case(engine, batch: int, context: int, steps: int) -> dict:
+def run_case(engine, batch: int, context: int, steps: int, temperature: float = 0.0) -> dict:
     from compilelm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=4 * steps + 16, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=4 * steps + 16, ignore_eos=True)
     ids = [engine.add_request(None, p, params) for p in prompts(batch, context, engine.model_config.vocab_size, batch)]
     produced = {}
     while len(produced) < batch or min(produced.values()) < 3:
@@ -140,6 +140,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--prefill", action="append", default=[], metavar="NxLEN", help="profile a prefill of N prompts")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--temperature", type=float, default=0.0, help="decode cases: sample (> 0) or greedy (0)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -165,7 +166,7 @@ def main(argv=None) -> dict:
             write_result("profile_step", payload, args.out)
         for batch in args.batches:
             case = dict(model=name, batch=batch, context=args.context,
-                        **run_case(llm.engine, batch, args.context, args.steps))
+                        **run_case(llm.engine, batch, args.context, args.steps, args.temperature))
             cases.append(case)
             write_result("profile_step", payload, args.out)
             for part in ("step", "graph"):

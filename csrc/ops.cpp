@@ -25,6 +25,7 @@ std::atomic<bool> programmatic_launch{true};
 std::atomic<bool> cluster_merge{true};
 std::atomic<bool> decode_mma{true};
 std::atomic<bool> hopper_gemm{true};
+std::atomic<int> decode_splits{0};
 }  // namespace
 
 // CUDA kernels launch with programmatic dependent launch (csrc/cuda/launch.cuh) unless turned off.
@@ -43,6 +44,16 @@ bool set_cluster_merge(bool enabled) { return cluster_merge.exchange(enabled); }
 bool decode_mma_enabled() { return decode_mma.load(std::memory_order_relaxed); }
 
 bool set_decode_mma(bool enabled) { return decode_mma.exchange(enabled); }
+
+// Split-K partitions of decode launches outside clusters: 0 = chosen from the launch's shapes
+// (paged_attention_decode.cu, choose_num_splits), else this many (benchmarks sweep it).
+int decode_splits_forced() { return decode_splits.load(std::memory_order_relaxed); }
+
+int64_t set_decode_splits(int64_t splits) {
+  TORCH_CHECK(splits >= 0 && splits <= 64, "set_decode_splits: splits must be in [0, 64] (0: by shape), got ",
+              splits);
+  return decode_splits.exchange(static_cast<int>(splits));
+}
 
 // Linear layers at 3-64 rows on sm_90 go to hopper_mm_out (csrc/cuda/skinny_mm.cu, decode_mm) unless
 // turned off: then to cuBLAS.
@@ -63,6 +74,10 @@ TORCH_LIBRARY(compilelm, m) {
   // up to 16) or, turned off, on CUDA cores; returns the previous setting. Takes effect for
   // launches (and graph captures) after the call.
   m.def("set_decode_mma(bool enabled) -> bool", &compilelm::set_decode_mma);
+  // Split-K partitions of decode attention outside clusters: 0 (the default) picks them from the
+  // launch's shapes, 1-64 forces that many; returns the previous setting. Takes effect for
+  // launches (and graph captures) after the call.
+  m.def("set_decode_splits(int splits) -> int", &compilelm::set_decode_splits);
   // linear and its fused variants send 3-64 rows of a large weight (sm_90) to hopper_mm_out or,
   // turned off, to cuBLAS; returns the previous setting. Takes effect for launches (and graph
   // captures) after the call.

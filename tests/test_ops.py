@@ -255,6 +255,18 @@ def test_launch_settings_return_the_previous_setting(setting):
         toggle(previous)
 
 
+def test_decode_splits_setting_returns_the_previous_and_checks_its_range():
+    previous = torch.ops.compilelm.set_decode_splits(3)
+    try:
+        assert torch.ops.compilelm.set_decode_splits(0) == 3
+        for bad in (-1, 65):
+            with pytest.raises(RuntimeError, match=r"splits must be in \[0, 64\]"):
+                torch.ops.compilelm.set_decode_splits(bad)
+        assert torch.ops.compilelm.set_decode_splits(0) == 0  # a refused value leaves it as it was
+    finally:
+        torch.ops.compilelm.set_decode_splits(previous)
+
+
 def test_hopper_mm_out_cpu_and_tile_configs():
     """hopper_mm_out's CPU kernel is torch.mm (its Triton kernel runs on sm_90: tests/gpu); every
     tile choice at 3-64 rows covers the rows in one tile, with the weight tile a wgmma A operand

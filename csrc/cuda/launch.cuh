@@ -49,6 +49,7 @@ namespace compilelm {
 bool programmatic_launch_enabled();  // csrc/ops.cpp
 bool cluster_merge_enabled();        // csrc/ops.cpp
 bool decode_mma_enabled();           // csrc/ops.cpp
+int decode_splits_forced();          // csrc/ops.cpp: 0 = by shape
 bool hopper_gemm_enabled();          // csrc/ops.cpp
 }  // namespace compilelm
 

@@ -566,10 +566,12 @@ SplitParams launch(const AttentionParams& p, const at::Tensor& query, bool all_r
   const at::ScalarType dtype = query.scalar_type();
   const bool mma = decode_mma_supported(dtype, p.head_size, p.group);
   const int64_t mma_programs = static_cast<int64_t>(rows) * p.num_kv_heads;
-  const int splits = mma ? choose_num_splits(mma_programs,
-                                             decode_mma_resident_programs(dtype, p.head_size, p.fp8_cache),
-                                             max_context, kMaxSplits)
-                         : choose_num_splits(programs, resident_programs<T, C, D, GP>(), max_context, kMaxSplits);
+  const int forced = decode_splits_forced();
+  const int splits = forced > 0 ? forced
+                     : mma      ? choose_num_splits(mma_programs,
+                                                    decode_mma_resident_programs(dtype, p.head_size, p.fp8_cache),
+                                                    max_context, kMaxSplits)
+                                : choose_num_splits(programs, resident_programs<T, C, D, GP>(), max_context, kMaxSplits);
   SplitParams s{all_rows, splits, nullptr, nullptr, nullptr};
   if (splits > 1) {  // workspace from torch's caching allocator: stream-ordered, capture-safe
     const int64_t partials = static_cast<int64_t>(rows) * p.num_heads * splits;

@@ -90,6 +90,21 @@ def test_long_context_split_k(dtype, group, decode_kernel):
     ))
 
 
+@pytest.mark.parametrize("splits", [1, 3, 64])
+@pytest.mark.parametrize("max_query_len", [0, 1])
+def test_forced_decode_splits(splits, max_query_len, decode_kernel):
+    # torch.ops.compilelm.set_decode_splits (the benchmarks' sweep): any count, one split or
+    # more than a short row's keys allow, gives the reference's output.
+    batch = [(1, n) for n in (4000, 300, 1, 17, 2500)]
+    inputs = make_attention_inputs(batch, block_size=16, num_heads=16, num_kv_heads=8, head_size=128,
+                                   dtype=torch.bfloat16, num_pad_rows=2)
+    previous = torch.ops.compilelm.set_decode_splits(splits)
+    try:
+        check_attention(inputs, max_query_len)
+    finally:
+        torch.ops.compilelm.set_decode_splits(previous)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_single_long_decode(dtype):
     # batch 1: the most splits (up to 64); each split's chunk spans many pages
