@@ -312,3 +312,37 @@ def test_greedy_constrained_rows_keep_the_argmax_path():
     stale = logits.argmax(-1)
     got = Sampler().sample_tensors(logits.clone(), reqs, stale, (packed, 2, words)).token_ids
     assert got is not stale and torch.equal(got[1:], want[1:])
+
+
+def test_sample_rows_ref_is_the_exponential_race():
+    """sample_rows_ref (the Gumbel-max form) picks what the sampler's exponential race picks
+    with the same uniforms: argmax(softmax(x / T) / E), E = -log u; inv_temperature 0 rows take
+    the argmax."""
+    from compilelm.ops import sample_rows_ref
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 500, generator=g) * 3
+    inv_t = torch.tensor([0.0, 1.0, 2.5, 0.4] * 16)
+    u = torch.rand(x.shape, generator=g)
+    race = (torch.softmax(x * inv_t.unsqueeze(1), -1) / -torch.log(u)).argmax(-1)
+    want = torch.where(inv_t == 0, x.argmax(-1), race)
+    assert sample_rows_ref(x, inv_t, u).tolist() == want.tolist()
+
+
+def test_sample_rows_op_on_cpu_follows_softmax_and_repeats_its_seed():
+    from compilelm.ops import sample_rows
+
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -3.0, float("-inf")])
+    num, temperature = 20000, 0.7
+    x = logits.expand(num, -1).contiguous()
+    inv_t = torch.full((num,), 1 / temperature)
+    inv_t[:10] = 0.0  # argmax rows
+    tokens = sample_rows(x, inv_t, seed=11, offset=0)
+    assert tokens[:10].tolist() == [0] * 10
+    want = torch.softmax(logits.double() / temperature, -1)
+    assert torch.allclose(_frequencies(tokens[10:].tolist(), 6), want, atol=0.015)
+    assert torch.equal(sample_rows(x, inv_t, seed=11, offset=0), tokens)  # same arguments, same draw
+    assert not torch.equal(sample_rows(x, inv_t, seed=11, offset=1), tokens)
+    torch.library.opcheck(torch.ops.compilelm.sample_rows.default, (x[:8], inv_t[:8], 5, 2))
+    with pytest.raises(RuntimeError, match=r"inv_temperature must be float32 \[8\]"):
+        sample_rows(x[:8], inv_t[:7], seed=1)

@@ -15,7 +15,7 @@ torch composition of the unfused ops). Ops that are defined in Python rather tha
     quant.py                           FP8 quantization, fused with its producer
     fp8_gemm.py                        FP8 W8A8 GEMM (per-token x per-channel scales), routed by rows
     fp8_block_gemm.py                  block-scaled FP8 GEMM (block-wise FP8 checkpoints)
-    sampling.py                        greedy argmax
+    sampling.py                        greedy argmax, plain temperature sampling
     collectives.py                     tensor-parallel all-reduce (+ add + RMSNorm), all-gather
 
 Op names list what an op computes in data-flow order (`rms_norm_linear`: the norm, then the
@@ -64,13 +64,15 @@ from compilelm.ops.qkv_rope import (  # noqa: E402
 )
 from compilelm.ops.rope import apply_rope, rope_and_cache, rope_and_cache_ref  # noqa: E402
 from compilelm.ops.activation import silu_and_mul  # noqa: E402
-from compilelm.ops.sampling import argmax_rows, argmax_rows_ref  # noqa: E402
+from compilelm.ops.sampling import argmax_rows, argmax_rows_ref, sample_rows, sample_rows_ref  # noqa: E402
 
 __all__ = [
     "activation",
     "apply_rope",
     "argmax_rows",
     "argmax_rows_ref",
+    "sample_rows",
+    "sample_rows_ref",
     "attention",
     "collectives",
     "fp8_block_gemm",

@@ -1,7 +1,9 @@
 """Turns the last-position logits of a batch into one token per request.
 
 Order (vLLM's): logprobs from the raw logits -> min_tokens mask -> penalties -> greedy argmax, or
-temperature -> top-k -> top-p -> min-p -> exponential-race sample. Per-row parameters become
+temperature -> top-k -> top-p -> min-p -> exponential-race sample. On CUDA a batch of plain rows
+(greedy, or temperature alone without a seed: Request.plain_sample) is one kernel, sample_rows
+(the Gumbel-max form of the same draw, on the logits in their own dtype). Per-row parameters become
 tensors once per call (pinned host -> device, non-blocking: launching the sampler never waits for
 the GPU), so every step is a handful of batched kernels. `sample_tensors` leaves the result on the
 device (async scheduling copies it to the host later); `__call__` also brings it to the host,
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from compilelm.ops import argmax_rows as fused_argmax_rows
+from compilelm.ops import sample_rows as fused_sample_rows
 from compilelm.ops import token_bitmask
 
 if TYPE_CHECKING:
@@ -87,6 +90,12 @@ class Sampler:
             return SampledTensors(ids, [], [])
         if masks is not None:
             logits = token_bitmask.mask_logits_rows_(logits, *masks)
+        if sample_rows_fits(logits) and all(r.plain_sample for r in requests):
+            # temperature sampling and argmax rows: one kernel over the logits in their dtype
+            params = [r.sampling_params for r in requests]
+            inv_t = _row_tensor([0.0 if p.is_greedy else 1.0 / p.temperature for p in params], logits)
+            seed = int(torch.randint(2**63 - 1, ()).item())  # the global generator: LLM(seed=...) repeats it
+            return SampledTensors(fused_sample_rows(logits, inv_t, seed), [], [])
         logits = logits.float()  # everything else works in fp32, as vLLM's sampler does
         params = [r.sampling_params for r in requests]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -144,11 +153,17 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     return torch.where(is_greedy, greedy, random)
 
 
+def sample_rows_fits(x: torch.Tensor) -> bool:
+    """The rows kernel of csrc/cuda/argmax_kernels.cu takes x: CUDA, at most 65535 rows (its
+    grid), columns contiguous."""
+    return x.is_cuda and x.shape[0] <= 65535 and x.stride(-1) == 1
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1) (the first maximum; NaN counts as the maximum). On CUDA one kernel
     (compilelm/ops/sampling.py): torch's argmax spreads a row over few blocks and a
     max-then-argmax takes five kernels (docs/perf.md, "The LM head and greedy argmax")."""
-    if not x.is_cuda or x.shape[0] > 65535 or x.stride(-1) != 1:  # the kernel's grid and layout
+    if not sample_rows_fits(x):
         return x.argmax(dim=-1)
     return fused_argmax_rows(x)
 

@@ -1,5 +1,10 @@
 // argmax_rows: the index of each row's first maximum (NaN counts as the maximum, as in torch's
-// argmax) in one kernel, for greedy sampling.
+// argmax) in one kernel, for greedy sampling. sample_rows: the same kernel over Gumbel-perturbed
+// logits, x * log2(e) / temperature - log2(-log2(u)) with u uniform from Philox (keyed by the
+// seed, counter = (column / 4, row, offset)): the argmax of x / T + Gumbel noise is a sample from
+// softmax(x / T) (the Gumbel-max trick, the exponential race of vLLM's sampler in one pass over
+// the logits, without the fp32 copy, the softmax or a noise tensor). Rows with inv_temperature 0
+// take the plain argmax.
 //
 // Block (chunk, row) reduces a chunk of its row's columns to (value, index); with more than one
 // chunk it writes that partial, counts its arrival in the row's counter, and the last block of
@@ -20,6 +25,7 @@
 #include "cuda/cuda_ops.h"
 #include "cuda/fused_common.cuh"
 #include "cuda/launch.cuh"
+#include "cuda/philox.cuh"
 
 namespace compilelm::cuda {
 namespace {
@@ -68,14 +74,36 @@ struct ArgmaxParams {
   int* partial_index;
   int* arrivals;         // [rows] counters, zero between launches (chunks > 1)
   int64_t* out;          // [rows]
+  const float* inv_temperature = nullptr;  // sample_rows: fp32 [rows], 0 = the row's argmax
+  uint32_t seed_lo = 0, seed_hi = 0, offset_lo = 0, offset_hi = 0;  // the Philox key and counter words
 };
 
-template <typename T, int kVec>
+// The 32 random bits of column c of `row`: word c % 4 of Philox counter (c / 4, row, offset).
+__device__ __forceinline__ Philox4 column_bits(const ArgmaxParams& p, int c, int row) {
+  return philox4x32_10(static_cast<uint32_t>(c) / 4, static_cast<uint32_t>(row), p.offset_lo, p.offset_hi, p.seed_lo,
+                       p.seed_hi);
+}
+
+__device__ __forceinline__ uint32_t word(const Philox4& r, int i) {
+  return i == 0 ? r.x : i == 1 ? r.y : i == 2 ? r.z : r.w;
+}
+
+// x * scale - log2(-log2(u)): a logit (in log2 units, over the temperature) plus Gumbel noise.
+// The inner log2 is the accurate one: near u = 1 the fast one can return 0 or more (noise +inf or
+// NaN, which would win the argmax); the outer one's argument lies in (8.6e-8, 23].
+__device__ __forceinline__ float gumbel_key(float x, float scale, uint32_t bits) {
+  return x * scale - __log2f(-log2f(uniform_open(bits)));
+}
+
+template <typename T, int kVec, bool kSample>
 __global__ void __launch_bounds__(kThreads) argmax_rows_kernel(const ArgmaxParams p) {
   __shared__ bool s_last;
   const int chunk = blockIdx.x, row = blockIdx.y;
   wait_for_prior_kernels();  // PDL (launch.cuh): before any read of earlier kernels' outputs
   allow_dependent_kernels();
+  constexpr float kLog2e = 1.4426950408889634f;
+  const float scale = kSample ? p.inv_temperature[row] * kLog2e : 0.f;
+  const bool noisy = kSample && scale > 0.f;  // the same for the whole row
   const T* x = static_cast<const T*>(p.x) + row * p.row_stride;
   const int span = p.chunks == 1 ? p.vocab : p.chunk_cols;  // one chunk: the whole row
   const int begin = chunk * span, end = min(p.vocab, begin + span);
@@ -86,16 +114,26 @@ __global__ void __launch_bounds__(kThreads) argmax_rows_kernel(const ArgmaxParam
 #pragma unroll 4
     for (int v = begin + threadIdx.x * kVec; v < vec_end; v += kThreads * kVec) {
       const Vec<T, kVec> values = *reinterpret_cast<const Vec<T, kVec>*>(x + v);
+      uint32_t bits[kVec] = {};
+      if (noisy) {  // v is a multiple of kVec (4 or 8): whole Philox counters
+#pragma unroll
+        for (int g = 0; g < kVec / 4; ++g) {
+          const Philox4 r = column_bits(p, v + 4 * g, row);
+          bits[4 * g] = r.x, bits[4 * g + 1] = r.y, bits[4 * g + 2] = r.z, bits[4 * g + 3] = r.w;
+        }
+      }
 #pragma unroll
       for (int i = 0; i < kVec; ++i) {  // (in index order: a tie keeps the first)
-        const Best here{to_float(values.v[i]), v + i};
+        const float value = to_float(values.v[i]);
+        const Best here{noisy ? gumbel_key(value, scale, bits[i]) : value, v + i};
         if (beats(here, best)) best = here;
       }
     }
     c = vec_end;
   }
   for (c += threadIdx.x; c < end; c += kThreads) {
-    const Best here{to_float(x[c]), c};
+    const float value = to_float(x[c]);
+    const Best here{noisy ? gumbel_key(value, scale, word(column_bits(p, c, row), c % 4)) : value, c};
     if (beats(here, best)) best = here;
   }
   best = block_best(best);
@@ -125,18 +163,46 @@ __global__ void __launch_bounds__(kThreads) argmax_rows_kernel(const ArgmaxParam
   if (threadIdx.x == 0) p.out[row] = best.index;
 }
 
-}  // namespace
+template <bool kSample>
+void launch_rows(const ArgmaxParams& p, const dim3& grid, bool vec, at::ScalarType dtype, cudaStream_t stream) {
+  const char* name = kSample ? "sample_rows" : "argmax_rows";
+  switch (dtype) {
+    case at::kFloat:
+      launch_kernel(vec ? argmax_rows_kernel<float, 4, kSample> : argmax_rows_kernel<float, 1, kSample>, grid, kThreads,
+                    0, stream, p);
+      break;
+    case at::kBFloat16:
+      launch_kernel(vec ? argmax_rows_kernel<__nv_bfloat16, 8, kSample> : argmax_rows_kernel<__nv_bfloat16, 1, kSample>,
+                    grid, kThreads, 0, stream, p);
+      break;
+    case at::kHalf:
+      launch_kernel(vec ? argmax_rows_kernel<__half, 8, kSample> : argmax_rows_kernel<__half, 1, kSample>, grid,
+                    kThreads, 0, stream, p);
+      break;
+    default: TORCH_CHECK(false, name, ": x must be float32, bfloat16 or float16, got ", dtype);
+  }
+}
 
-void argmax_rows_into(const at::Tensor& x, const at::Tensor& out) {
-  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1,
-              "argmax_rows: x must be a CUDA tensor [rows, vocab] (vocab > 0, columns contiguous), got ", x.sizes(),
+// argmax_rows_into, or (inv_temperature given) sample_rows into out.
+void rows_into(const at::Tensor& x, const at::Tensor& out, const at::Tensor* inv_temperature, int64_t seed,
+               int64_t offset) {
+  const char* name = inv_temperature != nullptr ? "sample_rows" : "argmax_rows";
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1, name,
+              ": x must be a CUDA tensor [rows, vocab] (vocab > 0, columns contiguous), got ", x.sizes(),
               " with strides ", x.strides());
-  TORCH_CHECK(x.size(1) < INT_MAX, "argmax_rows: vocab must be below 2^31, got ", x.size(1));
-  TORCH_CHECK(x.size(0) <= 65535, "argmax_rows: at most 65535 rows, got ", x.size(0));
+  TORCH_CHECK(x.size(1) < INT_MAX, name, ": vocab must be below 2^31, got ", x.size(1));
+  TORCH_CHECK(x.size(0) <= 65535, name, ": at most 65535 rows, got ", x.size(0));
   TORCH_CHECK(out.device() == x.device() && out.scalar_type() == at::kLong && out.dim() == 1 &&
                   out.size(0) == x.size(0) && out.stride(0) == 1,
-              "argmax_rows: out must be int64 [", x.size(0), "] contiguous on ", x.device(), ", got ", out.sizes(), " ",
+              name, ": out must be int64 [", x.size(0), "] contiguous on ", x.device(), ", got ", out.sizes(), " ",
               out.scalar_type(), " on ", out.device());
+  if (inv_temperature != nullptr) {
+    const at::Tensor& t = *inv_temperature;
+    TORCH_CHECK(t.device() == x.device() && t.scalar_type() == at::kFloat && t.dim() == 1 && t.size(0) == x.size(0) &&
+                    t.stride(0) == 1,
+                "sample_rows: inv_temperature must be float32 [", x.size(0), "] contiguous on ", x.device(), ", got ",
+                t.sizes(), " ", t.scalar_type(), " on ", t.device());
+  }
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0);
   if (rows == 0) return;
@@ -150,6 +216,12 @@ void argmax_rows_into(const at::Tensor& x, const at::Tensor& out) {
                              ? kWideChunk : kChunk;
   ArgmaxParams p{x.data_ptr(), x.stride(0), static_cast<int>(x.size(1)), 1, chunk_cols, nullptr, nullptr, nullptr,
                  ids.mutable_data_ptr<int64_t>()};
+  if (inv_temperature != nullptr) {
+    p.inv_temperature = inv_temperature->data_ptr<float>();
+    const auto s = static_cast<uint64_t>(seed), o = static_cast<uint64_t>(offset);
+    p.seed_lo = static_cast<uint32_t>(s), p.seed_hi = static_cast<uint32_t>(s >> 32);
+    p.offset_lo = static_cast<uint32_t>(o), p.offset_hi = static_cast<uint32_t>(o >> 32);
+  }
   const int chunks = static_cast<int>((x.size(1) + chunk_cols - 1) / chunk_cols);
   at::Tensor workspace;
   if (chunks > 1) {
@@ -162,24 +234,26 @@ void argmax_rows_into(const at::Tensor& x, const at::Tensor& out) {
     }
   }
   const dim3 grid(static_cast<unsigned>(p.chunks), static_cast<unsigned>(rows));
-  switch (x.scalar_type()) {
-    case at::kFloat:
-      launch_kernel(vec ? argmax_rows_kernel<float, 4> : argmax_rows_kernel<float, 1>, grid, kThreads, 0, stream, p);
-      break;
-    case at::kBFloat16:
-      launch_kernel(vec ? argmax_rows_kernel<__nv_bfloat16, 8> : argmax_rows_kernel<__nv_bfloat16, 1>, grid, kThreads,
-                    0, stream, p);
-      break;
-    case at::kHalf:
-      launch_kernel(vec ? argmax_rows_kernel<__half, 8> : argmax_rows_kernel<__half, 1>, grid, kThreads, 0, stream, p);
-      break;
-    default: TORCH_CHECK(false, "argmax_rows: x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  if (inv_temperature != nullptr) {
+    launch_rows<true>(p, grid, vec, x.scalar_type(), stream);
+  } else {
+    launch_rows<false>(p, grid, vec, x.scalar_type(), stream);
   }
 }
+
+}  // namespace
+
+void argmax_rows_into(const at::Tensor& x, const at::Tensor& out) { rows_into(x, out, nullptr, 0, 0); }
 
 at::Tensor argmax_rows(const at::Tensor& x) {
   at::Tensor out = at::empty({x.dim() == 2 ? x.size(0) : 0}, x.options().dtype(at::kLong));
   argmax_rows_into(x, out);
+  return out;
+}
+
+at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& inv_temperature, int64_t seed, int64_t offset) {
+  at::Tensor out = at::empty({x.dim() == 2 ? x.size(0) : 0}, x.options().dtype(at::kLong));
+  rows_into(x, out, &inv_temperature, seed, offset);
   return out;
 }
 

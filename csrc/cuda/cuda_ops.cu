@@ -26,6 +26,7 @@ TORCH_LIBRARY_IMPL(compilelm, CUDA, m) {
   m.impl("fused_add_rms_norm_qkv_rope_cache", &compilelm::cuda::fused_add_rms_norm_qkv_rope_cache);
   m.impl("fp8_stream_mm", &compilelm::cuda::fp8_stream_mm);
   m.impl("argmax_rows", &compilelm::cuda::argmax_rows);
+  m.impl("sample_rows", &compilelm::cuda::sample_rows);
   m.impl("custom_all_reduce", &compilelm::cuda::custom_all_reduce);
   m.impl("custom_all_reduce_add_rms_norm", &compilelm::cuda::custom_all_reduce_add_rms_norm);
 }

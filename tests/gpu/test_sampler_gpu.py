@@ -2,13 +2,18 @@
 picks what torch.argmax picks: random rows, ties within and across the kernel's 2048/8192-column
 chunks, NaN, -inf rows, for the vocabularies of Llama-3 (128,256), SmolLM2 (49,152), Qwen3
 (151,936) and odd sizes; in float32, bfloat16 and float16; on rows with a stride; called again
-and replayed in a CUDA graph (the arrival counters return to zero)."""
+and replayed in a CUDA graph (the arrival counters return to zero). The same kernel's sampling
+form (sample_rows, plain temperature sampling) draws tokens at softmax's frequencies, across its
+chunks, in every dtype and load width, and its argmax rows are argmax_rows's."""
 
 import pytest
 import torch
 
 from compilelm.ops import argmax_rows as op
-from compilelm.runtime.sampler import argmax_rows
+from compilelm.ops import sample_rows
+from compilelm.runtime.request import Request
+from compilelm.runtime.sampler import Sampler, argmax_rows
+from compilelm.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -81,3 +86,69 @@ def test_argmax_rows_repeats_and_graph_replay():
         static.copy_(logits(8, 128256, seed=seed + 1))
         graph.replay()
         assert out.tolist() == static.argmax(-1).tolist()
+
+
+def frequencies(tokens: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    return torch.tensor([(tokens == i).sum().item() for i in ids], dtype=torch.float64) / tokens.numel()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_sample_rows_follows_softmax_across_chunks(dtype):
+    """Qwen3's vocabulary with the mass on tokens in different 2048/8192-column chunks and in the
+    row's last, partial chunk: 4096 rows draw them at softmax(x / T)'s frequencies."""
+    vocab, rows, temperature = 151936, 4096, 0.8
+    hot = [3, 2049, 70001, 151935]
+    base = torch.full((vocab,), -30.0)
+    base[hot] = torch.tensor([1.0, 0.3, -0.2, 0.6])
+    x = base.to(dtype).cuda().expand(rows, -1).contiguous()
+    tokens = sample_rows(x, torch.full((rows,), 1 / temperature, device="cuda"), 7)
+    assert set(tokens.unique().tolist()) <= set(hot)
+    want = torch.softmax(x[0, hot].double().cpu() / temperature, -1)
+    torch.testing.assert_close(frequencies(tokens.cpu(), hot), want, atol=0.03, rtol=0)
+
+
+def test_sample_rows_flat_rows_are_uniform():
+    rows, vocab = 8192, 50
+    tokens = sample_rows(torch.zeros(rows, vocab, device="cuda"), torch.full((rows,), 1.0, device="cuda"), 3)
+    torch.testing.assert_close(frequencies(tokens.cpu(), list(range(vocab))),
+                               torch.full((vocab,), 1 / vocab, dtype=torch.float64), atol=0.008, rtol=0)
+
+
+def test_sample_rows_argmax_rows_seeds_and_load_widths():
+    x = logits(9, 151936)  # ties across chunks, a NaN row, an all -inf row
+    inv_t = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 2.0, 0.0, 0.5], device="cuda")
+    got = sample_rows(x, inv_t, 1)
+    greedy = (inv_t == 0).cpu()
+    assert got.cpu()[greedy].tolist() == x.argmax(-1).cpu()[greedy].tolist()
+    assert torch.equal(sample_rows(x, inv_t, 1), got)  # same seed and offset: same draw
+    flat = torch.zeros(64, 5000, device="cuda")
+    ones = torch.ones(64, device="cuda")
+    assert not torch.equal(sample_rows(flat, ones, 1), sample_rows(flat, ones, 2))
+    assert not torch.equal(sample_rows(flat, ones, 1, 0), sample_rows(flat, ones, 1, 1))
+    # a column's noise depends on (seed, offset, row, column) only: 16-byte or element loads,
+    # bf16 or fp32, wide or narrow chunks, the same draw
+    y = logits(64, 128256 + 1, torch.bfloat16)[:, 1:]
+    t64 = torch.full((64,), 1.3, device="cuda")
+    same = sample_rows(y.contiguous(), t64, 5)
+    assert torch.equal(sample_rows(y, t64, 5), same)
+    assert torch.equal(sample_rows(y.float(), t64, 5), same)
+    assert torch.equal(sample_rows(y[:3].contiguous(), t64[:3], 5), same[:3])
+    torch.library.opcheck(torch.ops.compilelm.sample_rows.default, (y[:4].contiguous(), t64[:4], 5, 0))
+
+
+def test_sampler_takes_the_one_kernel_path_for_plain_rows():
+    """A batch of greedy and temperature-only rows (bf16 logits, no fp32 copy) through the Sampler:
+    greedy rows get the argmax, sampled rows softmax's frequencies; a top-p row sends the batch down
+    the general path, which draws from the same distribution."""
+    vocab, n = 1000, 3000
+    base = torch.full((vocab,), -20.0)
+    hot = [10, 500, 999]
+    base[hot] = torch.tensor([0.5, 0.0, -0.5])
+    x = base.to(torch.bfloat16).cuda().expand(n, -1).contiguous()
+    plain = [Request(str(i), [1], SamplingParams(temperature=0.0 if i < 5 else 1.0)) for i in range(n)]
+    assert all(r.plain_sample for r in plain)
+    want = torch.softmax(x[0, hot].double().cpu(), -1)
+    for reqs in (plain, plain[:-1] + [Request("p", [1], SamplingParams(temperature=1.0, top_p=0.999))]):
+        tokens = Sampler().sample_tensors(x.clone(), reqs).token_ids.cpu()
+        assert tokens[:5].tolist() == [10] * 5
+        torch.testing.assert_close(frequencies(tokens[5:], hot), want, atol=0.04, rtol=0)
