@@ -5,6 +5,7 @@ default decode kernel (tensor cores where the launch fills the GPU) beside the C
 
     python benchmarks/bench_attention.py [--batches 1 4 16 64 256] [--contexts 512 2048 8192 32768]
                                          [--heads 32 8] [--vllm-site /tmp/vllm_site]
+                                         [--layers 28 --cache-gb 2]
 
 Shapes are Llama-3-8B's attention (32 query heads, 8 kv heads, head_size 128; `--heads` for others,
 e.g. Qwen3-0.6B's 16 8), bf16, block 16,
@@ -22,6 +23,8 @@ pages (and SDPA over several KV tensors) so that L2 does not serve them. Target:
 bandwidth where batch x context >= 256k tokens. With --vllm-site (a vLLM 0.26.0 site folder, as
 scripts/gpu_vs_vllm.sh unpacks it), FlashAttention 3 as vLLM calls it for decode rows
 (flash_attn_varlen_func on the same paged cache and block tables) is timed beside it (`fa3_us`).
+--layers N times each point a second way, as a decode graph calls it: N calls in one graph, each
+over its own layer's K and V tensors of --cache-gb GB (the engine's), pages in id order.
 
 Prints a table and writes JSON (default benchmarks/results/bench_attention.json). No asserts.
 """
@@ -201,6 +204,36 @@ def bench_point(batch: int, context: int, l2_bytes: int, iters: int, layout: str
     }
 
 
+def bench_layer_chain(batch: int, context: int, layers: int, cache_gb: float, iters: int,
+                      heads: tuple[int, int] = (NUM_HEADS, NUM_KV_HEADS)) -> dict:
+    """The decode graph's view of attention: `layers` calls in one graph, each over its own layer's
+    key and value caches of `cache_gb` GB apiece (the engine's per-layer tensors), the sequences'
+    pages one run each in id order (a fresh pool's). Against bench_point, whose one cache holds only
+    the call's pages: whether many large caches (TLB reach) slow the same kernel."""
+    num_heads, num_kv_heads = heads
+    blocks_per_seq = context // BLOCK_SIZE
+    block_bytes = 2 * BLOCK_SIZE * num_kv_heads * HEAD_SIZE * DTYPE.itemsize  # K and V
+    num_blocks = max(1 + batch * blocks_per_seq, int(cache_gb * 1e9 * 2 / block_bytes))
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_SIZE)
+    caches = [(torch.empty(shape, device="cuda", dtype=DTYPE).normal_(),
+               torch.empty(shape, device="cuda", dtype=DTYPE).normal_()) for _ in range(layers)]
+    tables = torch.arange(1, 1 + batch * blocks_per_seq, device="cuda", dtype=torch.int32).view(batch, -1)
+    query = torch.randn(batch, num_heads, HEAD_SIZE, device="cuda", dtype=DTYPE)
+    cu_seqlens_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+
+    def call(i):
+        key_cache, value_cache = caches[i % layers]
+        return paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, tables, HEAD_SIZE**-0.5,
+                               max_query_len=1)
+
+    seconds = time_graph(call, layers, iters)
+    kv_bytes = 2 * batch * context * num_kv_heads * HEAD_SIZE * DTYPE.itemsize
+    caches.clear()  # (the graph keeps its own references until it goes)
+    return {"batch": batch, "context": context, "layers": layers, "cache_GB_per_tensor": num_blocks * block_bytes / 2e9,
+            "us_per_layer": seconds * 1e6, "GBps": kv_bytes / seconds / 1e9}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64, 256])
@@ -214,6 +247,9 @@ def main() -> None:
     parser.add_argument("--vllm-site", default=None, help="time vLLM's FlashAttention 3 beside ours")
     parser.add_argument("--pages", choices=["shuffled", "in_order"], default="shuffled",
                         help="each sequence's pages in random order, or one run in id order")
+    parser.add_argument("--layers", type=int, default=0,
+                        help="also time a chain of this many layers' calls, each over its own caches")
+    parser.add_argument("--cache-gb", type=float, default=2.0, help="with --layers: GB per layer's K (and V) tensor")
     parser.add_argument("--splits", type=int, nargs="*", default=[], help="also time these forced split-K counts")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench_attention.json)")
     args = parser.parse_args()
@@ -236,6 +272,13 @@ def main() -> None:
                   f"default {row['paged_us']:.1f}")
         torch.cuda.empty_cache()
 
+    chains = []
+    if args.layers:
+        for _, batch, context in points:
+            chains.append(bench_layer_chain(batch, context, args.layers, args.cache_gb, args.iters, tuple(args.heads)))
+            print(f"b{batch} c{context}: {args.layers} layers over {chains[-1]['cache_GB_per_tensor']:.1f} GB caches, "
+                  f"{chains[-1]['us_per_layer']:.1f} us a layer ({chains[-1]['GBps']:.0f} GB/s)")
+            torch.cuda.empty_cache()
     print(f"device-to-device copy (read + write): memcpy {copy['memcpy_GBps']:.0f} GB/s, "
           f"elementwise kernel {copy['elementwise_GBps']:.0f} GB/s; spec {spec_GBps} GB/s")
     print_table(rows, ["layout", "batch", "context", "paged_us", "paged_GBps", "pct_of_copy_bw", "pct_of_spec_bw",
@@ -254,7 +297,8 @@ def main() -> None:
     print(summary)
     shapes = dict(num_heads=args.heads[0], num_kv_heads=args.heads[1], head_size=HEAD_SIZE, block_size=BLOCK_SIZE,
                   dtype=str(DTYPE), iters=args.iters)
-    print("wrote", write_result("bench_attention", {"shapes": shapes, "summary": summary, "rows": rows}, args.out))
+    print("wrote", write_result("bench_attention", {"shapes": shapes, "summary": summary, "rows": rows,
+                                                       **({"layer_chain": chains} if chains else {})}, args.out))
 
 
 if __name__ == "__main__":
