@@ -1,6 +1,8 @@
 """The sampler's cost a step on the GPU: plain temperature sampling through sample_rows (one kernel
 over the logits in their dtype) against the general path it replaces for such rows (an fp32 copy,
-temperature, softmax, exponential noise, the race's argmax), with greedy argmax_rows beside them.
+temperature, softmax, exponential noise, the race's argmax), with greedy argmax_rows beside them;
+and the same for seeded requests, whose general path draws each row's noise on the host from the
+request's own generator (`seeded_*`).
 
     python benchmarks/bench_sampler.py [--batches 1 16 64 256] [--vocab 151936]
 
@@ -59,15 +61,19 @@ def main(argv=None) -> dict:
         logits = torch.randn(batch, args.vocab, device="cuda").mul_(3).to(torch.bfloat16)
         sampled = [Request(str(i), [1], SamplingParams(temperature=args.temperature)) for i in range(batch)]
         greedy = [Request(str(i), [1], SamplingParams(temperature=0.0)) for i in range(batch)]
+        seeded = [Request(str(i), [1], SamplingParams(temperature=args.temperature, seed=i)) for i in range(batch)]
         point = {
             "batch": batch,
             "greedy_argmax_us": stream_us(lambda: sampler.sample_tensors(logits, greedy), args.iters),
             "sample_rows_us": stream_us(lambda: sampler.sample_tensors(logits, sampled), args.iters),
             "general_path_us": stream_us(lambda: sample(logits.float(), sampled), args.iters),
+            "seeded_sample_rows_us": stream_us(lambda: sampler.sample_tensors(logits, seeded), args.iters),
+            "seeded_general_us": stream_us(lambda: sample(logits.float(), seeded), max(1, args.iters // 10)),
         }
         point["speedup"] = point["general_path_us"] / point["sample_rows_us"]
         rows.append(point)
-    print_table(rows, ["batch", "greedy_argmax_us", "sample_rows_us", "general_path_us", "speedup"])
+    print_table(rows, ["batch", "greedy_argmax_us", "sample_rows_us", "general_path_us", "speedup",
+                       "seeded_sample_rows_us", "seeded_general_us"])
     path = write_result("bench_sampler", {"args": vars(args), "rows": rows}, args.out)
     print("wrote", path)
     return {"rows": rows}

@@ -208,12 +208,13 @@ TORCH_LIBRARY(compilelm, m) {
   // x: [rows, vocab] (float32, bfloat16 or float16) -> int64 [rows]: the index of each row's first
   // maximum, NaN counting as the maximum (torch.argmax(x, -1)). One kernel on CUDA (greedy sampling).
   m.def("argmax_rows(Tensor x) -> Tensor");
-  // x: [rows, vocab]; inv_temperature: fp32 [rows] -> int64 [rows]: row r's sample from
-  // softmax(x[r] * inv_temperature[r]), as the argmax of x * inv_temperature plus Gumbel noise
-  // drawn from counter-based bits keyed by (seed, offset, r, column): the same arguments give the
-  // same ids on one device. Rows with inv_temperature 0 take argmax_rows's index. One kernel on
-  // CUDA (plain temperature sampling); the CPU draws its noise from a torch generator.
-  m.def("sample_rows(Tensor x, Tensor inv_temperature, int seed, int offset) -> Tensor");
+  // x: [rows, vocab]; inv_temperature: fp32 [rows]; keys: int64 [rows] -> int64 [rows]: row r's
+  // sample from softmax(x[r] * inv_temperature[r]), as the argmax of x * inv_temperature plus
+  // Gumbel noise drawn from counter-based bits keyed by keys[r] (at counter column / 4): a row's
+  // draw depends on its logits, temperature and key only (not on the batch). Rows with
+  // inv_temperature 0 take argmax_rows's index. One kernel on CUDA (plain temperature sampling);
+  // the CPU draws each row's noise from a torch generator seeded by its key.
+  m.def("sample_rows(Tensor x, Tensor inv_temperature, Tensor keys) -> Tensor");
 
   // One-shot all-reduce over peer memory, CUDA only (csrc/cuda/allreduce_kernels.cu); called by
   // compilelm/distributed/custom_all_reduce.py, which owns the buffers: buffer_ptrs = every rank's

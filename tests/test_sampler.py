@@ -329,7 +329,7 @@ def test_sample_rows_ref_is_the_exponential_race():
     assert sample_rows_ref(x, inv_t, u).tolist() == want.tolist()
 
 
-def test_sample_rows_op_on_cpu_follows_softmax_and_repeats_its_seed():
+def test_sample_rows_op_on_cpu_follows_softmax_and_repeats_its_keys():
     from compilelm.ops import sample_rows
 
     logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -3.0, float("-inf")])
@@ -337,12 +337,32 @@ def test_sample_rows_op_on_cpu_follows_softmax_and_repeats_its_seed():
     x = logits.expand(num, -1).contiguous()
     inv_t = torch.full((num,), 1 / temperature)
     inv_t[:10] = 0.0  # argmax rows
-    tokens = sample_rows(x, inv_t, seed=11, offset=0)
+    keys = torch.arange(num, dtype=torch.int64) * 7919 - 2**62
+    tokens = sample_rows(x, inv_t, keys)
     assert tokens[:10].tolist() == [0] * 10
     want = torch.softmax(logits.double() / temperature, -1)
     assert torch.allclose(_frequencies(tokens[10:].tolist(), 6), want, atol=0.015)
-    assert torch.equal(sample_rows(x, inv_t, seed=11, offset=0), tokens)  # same arguments, same draw
-    assert not torch.equal(sample_rows(x, inv_t, seed=11, offset=1), tokens)
-    torch.library.opcheck(torch.ops.compilelm.sample_rows.default, (x[:8], inv_t[:8], 5, 2))
-    with pytest.raises(RuntimeError, match=r"inv_temperature must be float32 \[8\]"):
-        sample_rows(x[:8], inv_t[:7], seed=1)
+    assert torch.equal(sample_rows(x, inv_t, keys), tokens)  # same keys, same draw
+    assert not torch.equal(sample_rows(x, inv_t, keys + 1), tokens)
+    # a row's draw is its own: the same row and key in another batch gives the same token
+    assert torch.equal(sample_rows(x[100:300], inv_t[100:300], keys[100:300]), tokens[100:300])
+    torch.library.opcheck(torch.ops.compilelm.sample_rows.default, (x[:8], inv_t[:8], keys[:8]))
+    with pytest.raises(RuntimeError, match=r"inv_temperature must be torch.float32 \[8\]"):
+        sample_rows(x[:8], inv_t[:7], keys[:8])
+    with pytest.raises(RuntimeError, match=r"keys must be torch.int64 \[8\]"):
+        sample_rows(x[:8], inv_t[:8], keys[:8].int())
+
+
+def test_noise_keys_of_seeded_requests_follow_seed_and_position():
+    """sample_rows keys: a seeded request's depend on (seed, position of the sampled token) only,
+    the position counting a token in flight; unseeded rows get fresh keys each call."""
+    from compilelm.runtime.sampler import noise_keys
+
+    a, b = make_request(temperature=1.0, seed=5), make_request(temperature=1.0, seed=5, outputs=(4,))
+    c, free = make_request(temperature=1.0, seed=6), make_request(temperature=1.0)
+    k1, k2 = noise_keys([a, b, c, free]), noise_keys([free, c, b, a])
+    assert k1[0] == k2[3] and k1[1] == k2[2] and k1[2] == k2[1]  # batch order does not matter
+    assert len({k1[0], k1[1], k1[2]}) == 3  # another position, another seed: another key
+    assert k1[3] != k2[0]
+    a.num_output_placeholders = 2  # sampling the second token while the first is still in flight
+    assert noise_keys([a])[0] == k1[1]

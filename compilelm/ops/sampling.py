@@ -7,8 +7,10 @@ CPU they are torch's argmax and sample_rows_ref with noise from a torch generato
 
 sample_rows is the Gumbel-max trick: argmax(x * inv_t - log(-log u)), u uniform in (0, 1), is
 distributed as softmax(x * inv_t) (the exponential race argmax(p / E), E = -log u, is the same
-draw). On CUDA the uniforms come from Philox keyed by (seed, offset, row, column), so no noise
-tensor, fp32 copy or softmax is made: one read of the logits in their own dtype.
+draw). On CUDA the uniforms come from Philox keyed by each row's 64-bit key (at counter column / 4),
+so no noise tensor, fp32 copy or softmax is made: one read of the logits in their own dtype. A row's
+draw depends on its logits, temperature and key alone: the sampler keys a seeded request by (seed,
+position), the others by fresh random keys.
 """
 
 import torch
@@ -36,9 +38,10 @@ def _(x):
     return x.new_empty((x.shape[0],), dtype=torch.int64)
 
 
-def sample_rows(x: Tensor, inv_temperature: Tensor, seed: int, offset: int = 0) -> Tensor:
-    # x: [rows, vocab]; inv_temperature: fp32 [rows] (0: the row's argmax) -> int64 [rows]
-    return torch.ops.compilelm.sample_rows.default(x, inv_temperature, seed, offset)
+def sample_rows(x: Tensor, inv_temperature: Tensor, keys: Tensor) -> Tensor:
+    # x: [rows, vocab]; inv_temperature: fp32 [rows] (0: the row's argmax); keys: int64 [rows]
+    # -> int64 [rows]
+    return torch.ops.compilelm.sample_rows.default(x, inv_temperature, keys)
 
 
 def sample_rows_ref(x: Tensor, inv_temperature: Tensor, uniform: Tensor) -> Tensor:
@@ -48,21 +51,23 @@ def sample_rows_ref(x: Tensor, inv_temperature: Tensor, uniform: Tensor) -> Tens
     return torch.where(inv_temperature == 0, x.argmax(dim=-1), key.argmax(dim=-1))
 
 
-def _check_sample_args(x, inv_temperature):
+def _check_sample_args(x, inv_temperature, keys):
     torch._check(x.dim() == 2 and x.shape[1] > 0, lambda: f"sample_rows: x must be [rows, vocab], got {tuple(x.shape)}")
-    torch._check(inv_temperature.dtype == torch.float32 and tuple(inv_temperature.shape) == (x.shape[0],),
-                 lambda: f"sample_rows: inv_temperature must be float32 [{x.shape[0]}], got "
-                         f"{inv_temperature.dtype} {tuple(inv_temperature.shape)}")
+    for name, t, dtype in (("inv_temperature", inv_temperature, torch.float32), ("keys", keys, torch.int64)):
+        torch._check(t.dtype == dtype and tuple(t.shape) == (x.shape[0],),
+                     lambda name=name, t=t, dtype=dtype: f"sample_rows: {name} must be {dtype} [{x.shape[0]}], got "
+                                                         f"{t.dtype} {tuple(t.shape)}")
 
 
 @torch.library.register_kernel("compilelm::sample_rows", "cpu")
-def _(x, inv_temperature, seed, offset):
-    _check_sample_args(x, inv_temperature)
-    generator = torch.Generator().manual_seed((seed ^ (offset * 0x9E3779B97F4A7C15)) % 2**64)
-    return sample_rows_ref(x, inv_temperature, torch.rand(x.shape, generator=generator))
+def _(x, inv_temperature, keys):
+    _check_sample_args(x, inv_temperature, keys)
+    uniform = torch.stack([torch.rand(x.shape[1], generator=torch.Generator().manual_seed(k % 2**64))
+                           for k in keys.tolist()]) if x.shape[0] else x.new_empty(x.shape, dtype=torch.float32)
+    return sample_rows_ref(x, inv_temperature, uniform)
 
 
 @torch.library.register_fake("compilelm::sample_rows")
-def _(x, inv_temperature, seed, offset):
-    _check_sample_args(x, inv_temperature)
+def _(x, inv_temperature, keys):
+    _check_sample_args(x, inv_temperature, keys)
     return x.new_empty((x.shape[0],), dtype=torch.int64)

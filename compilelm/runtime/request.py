@@ -73,12 +73,12 @@ class Request:
                                 and not sampling_params.logits_processors)
         # ... and no grammar either: every rank can take the argmax of the same logits (TP)
         self.plain_greedy = self.argmax_only and sampling_params.structured_outputs is None
-        # greedy, or sampled from the temperature alone (no top-k/top-p/min-p, no seed of its own),
-        # with nothing after the logits processors and a grammar's mask that reads or edits the
-        # row: the sampler's one-kernel path (compilelm/ops/sampling.py, sample_rows)
+        # greedy, or sampled from the temperature alone (no top-k/top-p/min-p), with nothing after
+        # the logits processors and a grammar's mask that reads or edits the row: the sampler's
+        # one-kernel path (compilelm/ops/sampling.py, sample_rows)
         p = sampling_params
         self.plain_sample = bool(p.logprobs is None and not p.has_penalties and not p.min_tokens and (
-            p.is_greedy or (p.seed is None and p.top_k in (0, -1) and p.top_p >= 1.0 and p.min_p <= 0.0)))
+            p.is_greedy or (p.top_k in (0, -1) and p.top_p >= 1.0 and p.min_p <= 0.0)))
         # the RequestGrammar of a structured output (set by the engine), advanced by each sampled token
         self.grammar = None
 

@@ -2,13 +2,14 @@
 
 Order (vLLM's): logprobs from the raw logits -> min_tokens mask -> penalties -> greedy argmax, or
 temperature -> top-k -> top-p -> min-p -> exponential-race sample. On CUDA a batch of plain rows
-(greedy, or temperature alone without a seed: Request.plain_sample) is one kernel, sample_rows
-(the Gumbel-max form of the same draw, on the logits in their own dtype). Per-row parameters become
+(greedy, or temperature alone: Request.plain_sample) is one kernel, sample_rows (the Gumbel-max
+form of the same draw, on the logits in their own dtype). Per-row parameters become
 tensors once per call (pinned host -> device, non-blocking: launching the sampler never waits for
 the GPU), so every step is a handful of batched kernels. `sample_tensors` leaves the result on the
 device (async scheduling copies it to the host later); `__call__` also brings it to the host,
-where the `.tolist()` calls are the only waits. A request with a seed draws its noise from its own
-generator, so its tokens do not depend on what else is in the batch.
+where the `.tolist()` calls are the only waits. A seeded request's noise is keyed by (seed, token
+position) on the one-kernel path and drawn from its own generator on the general one: either way
+its tokens do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -94,8 +95,8 @@ class Sampler:
             # temperature sampling and argmax rows: one kernel over the logits in their dtype
             params = [r.sampling_params for r in requests]
             inv_t = _row_tensor([0.0 if p.is_greedy else 1.0 / p.temperature for p in params], logits)
-            seed = int(torch.randint(2**63 - 1, ()).item())  # the global generator: LLM(seed=...) repeats it
-            return SampledTensors(fused_sample_rows(logits, inv_t, seed), [], [])
+            keys = _row_tensor(noise_keys(requests), logits, torch.int64)
+            return SampledTensors(fused_sample_rows(logits, inv_t, keys), [], [])
         logits = logits.float()  # everything else works in fp32, as vLLM's sampler does
         params = [r.sampling_params for r in requests]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -151,6 +152,27 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     random = (probs / noise).argmax(dim=-1)
     is_greedy = _row_tensor([p.is_greedy for p in params], logits, torch.bool)
     return torch.where(is_greedy, greedy, random)
+
+
+def noise_keys(requests: list[Request]) -> list[int]:
+    """Each row's sample_rows key (int64): a seeded request's from its seed and the position of the
+    token it samples (the same draw in any batch, and again after a preemption's recompute); the
+    others' fresh from the global generator (LLM(seed=...) repeats them)."""
+    keys = torch.randint(2**63 - 1, (len(requests),), dtype=torch.int64).tolist()
+    for i, r in enumerate(requests):
+        seed = r.sampling_params.seed
+        if seed is not None:  # placeholders count this step's token (the scheduler's do_sample)
+            keys[i] = _mix64(seed, len(r.output_token_ids) + max(r.num_output_placeholders - 1, 0))
+    return keys
+
+
+def _mix64(seed: int, position: int) -> int:
+    """SplitMix64's finalizer of seed and position, as a signed 64-bit int."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    z ^= z >> 31
+    return z - 2**64 if z >= 2**63 else z
 
 
 def sample_rows_fits(x: torch.Tensor) -> bool:

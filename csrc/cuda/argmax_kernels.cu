@@ -1,7 +1,7 @@
 // argmax_rows: the index of each row's first maximum (NaN counts as the maximum, as in torch's
 // argmax) in one kernel, for greedy sampling. sample_rows: the same kernel over Gumbel-perturbed
 // logits, x * log2(e) / temperature - log2(-log2(u)) with u uniform from Philox (keyed by the
-// seed, counter = (column / 4, row, offset)): the argmax of x / T + Gumbel noise is a sample from
+// row's 64-bit key, counter = column / 4): the argmax of x / T + Gumbel noise is a sample from
 // softmax(x / T) (the Gumbel-max trick, the exponential race of vLLM's sampler in one pass over
 // the logits, without the fp32 copy, the softmax or a noise tensor). Rows with inv_temperature 0
 // take the plain argmax.
@@ -75,13 +75,13 @@ struct ArgmaxParams {
   int* arrivals;         // [rows] counters, zero between launches (chunks > 1)
   int64_t* out;          // [rows]
   const float* inv_temperature = nullptr;  // sample_rows: fp32 [rows], 0 = the row's argmax
-  uint32_t seed_lo = 0, seed_hi = 0, offset_lo = 0, offset_hi = 0;  // the Philox key and counter words
+  const int64_t* keys = nullptr;           // sample_rows: [rows], each row's Philox key
 };
 
-// The 32 random bits of column c of `row`: word c % 4 of Philox counter (c / 4, row, offset).
-__device__ __forceinline__ Philox4 column_bits(const ArgmaxParams& p, int c, int row) {
-  return philox4x32_10(static_cast<uint32_t>(c) / 4, static_cast<uint32_t>(row), p.offset_lo, p.offset_hi, p.seed_lo,
-                       p.seed_hi);
+// The 32 random bits of column c under `key`: word c % 4 of Philox counter (c / 4, 0, 0, 0).
+__device__ __forceinline__ Philox4 column_bits(uint64_t key, int c) {
+  return philox4x32_10(static_cast<uint32_t>(c) / 4, 0u, 0u, 0u, static_cast<uint32_t>(key),
+                       static_cast<uint32_t>(key >> 32));
 }
 
 __device__ __forceinline__ uint32_t word(const Philox4& r, int i) {
@@ -104,6 +104,7 @@ __global__ void __launch_bounds__(kThreads) argmax_rows_kernel(const ArgmaxParam
   constexpr float kLog2e = 1.4426950408889634f;
   const float scale = kSample ? p.inv_temperature[row] * kLog2e : 0.f;
   const bool noisy = kSample && scale > 0.f;  // the same for the whole row
+  const uint64_t key = noisy ? static_cast<uint64_t>(p.keys[row]) : 0;
   const T* x = static_cast<const T*>(p.x) + row * p.row_stride;
   const int span = p.chunks == 1 ? p.vocab : p.chunk_cols;  // one chunk: the whole row
   const int begin = chunk * span, end = min(p.vocab, begin + span);
@@ -118,7 +119,7 @@ __global__ void __launch_bounds__(kThreads) argmax_rows_kernel(const ArgmaxParam
       if (noisy) {  // v is a multiple of kVec (4 or 8): whole Philox counters
 #pragma unroll
         for (int g = 0; g < kVec / 4; ++g) {
-          const Philox4 r = column_bits(p, v + 4 * g, row);
+          const Philox4 r = column_bits(key, v + 4 * g);
           bits[4 * g] = r.x, bits[4 * g + 1] = r.y, bits[4 * g + 2] = r.z, bits[4 * g + 3] = r.w;
         }
       }
@@ -133,7 +134,7 @@ __global__ void __launch_bounds__(kThreads) argmax_rows_kernel(const ArgmaxParam
   }
   for (c += threadIdx.x; c < end; c += kThreads) {
     const float value = to_float(x[c]);
-    const Best here{noisy ? gumbel_key(value, scale, word(column_bits(p, c, row), c % 4)) : value, c};
+    const Best here{noisy ? gumbel_key(value, scale, word(column_bits(key, c), c % 4)) : value, c};
     if (beats(here, best)) best = here;
   }
   best = block_best(best);
@@ -183,9 +184,9 @@ void launch_rows(const ArgmaxParams& p, const dim3& grid, bool vec, at::ScalarTy
   }
 }
 
-// argmax_rows_into, or (inv_temperature given) sample_rows into out.
-void rows_into(const at::Tensor& x, const at::Tensor& out, const at::Tensor* inv_temperature, int64_t seed,
-               int64_t offset) {
+// argmax_rows_into, or (inv_temperature and keys given) sample_rows into out.
+void rows_into(const at::Tensor& x, const at::Tensor& out, const at::Tensor* inv_temperature = nullptr,
+               const at::Tensor* keys = nullptr) {
   const char* name = inv_temperature != nullptr ? "sample_rows" : "argmax_rows";
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1, name,
               ": x must be a CUDA tensor [rows, vocab] (vocab > 0, columns contiguous), got ", x.sizes(),
@@ -202,6 +203,11 @@ void rows_into(const at::Tensor& x, const at::Tensor& out, const at::Tensor* inv
                     t.stride(0) == 1,
                 "sample_rows: inv_temperature must be float32 [", x.size(0), "] contiguous on ", x.device(), ", got ",
                 t.sizes(), " ", t.scalar_type(), " on ", t.device());
+    const at::Tensor& k = *keys;
+    TORCH_CHECK(k.device() == x.device() && k.scalar_type() == at::kLong && k.dim() == 1 && k.size(0) == x.size(0) &&
+                    k.stride(0) == 1,
+                "sample_rows: keys must be int64 [", x.size(0), "] contiguous on ", x.device(), ", got ", k.sizes(), " ",
+                k.scalar_type(), " on ", k.device());
   }
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0);
@@ -218,9 +224,7 @@ void rows_into(const at::Tensor& x, const at::Tensor& out, const at::Tensor* inv
                  ids.mutable_data_ptr<int64_t>()};
   if (inv_temperature != nullptr) {
     p.inv_temperature = inv_temperature->data_ptr<float>();
-    const auto s = static_cast<uint64_t>(seed), o = static_cast<uint64_t>(offset);
-    p.seed_lo = static_cast<uint32_t>(s), p.seed_hi = static_cast<uint32_t>(s >> 32);
-    p.offset_lo = static_cast<uint32_t>(o), p.offset_hi = static_cast<uint32_t>(o >> 32);
+    p.keys = keys->data_ptr<int64_t>();
   }
   const int chunks = static_cast<int>((x.size(1) + chunk_cols - 1) / chunk_cols);
   at::Tensor workspace;
@@ -243,7 +247,7 @@ void rows_into(const at::Tensor& x, const at::Tensor& out, const at::Tensor* inv
 
 }  // namespace
 
-void argmax_rows_into(const at::Tensor& x, const at::Tensor& out) { rows_into(x, out, nullptr, 0, 0); }
+void argmax_rows_into(const at::Tensor& x, const at::Tensor& out) { rows_into(x, out); }
 
 at::Tensor argmax_rows(const at::Tensor& x) {
   at::Tensor out = at::empty({x.dim() == 2 ? x.size(0) : 0}, x.options().dtype(at::kLong));
@@ -251,9 +255,9 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
-at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& inv_temperature, int64_t seed, int64_t offset) {
+at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& inv_temperature, const at::Tensor& keys) {
   at::Tensor out = at::empty({x.dim() == 2 ? x.size(0) : 0}, x.options().dtype(at::kLong));
-  rows_into(x, out, &inv_temperature, seed, offset);
+  rows_into(x, out, &inv_temperature, &keys);
   return out;
 }
 

@@ -142,7 +142,7 @@ at::Tensor fp8_stream_mm(const at::Tensor& x, const std::optional<at::Tensor>& x
 
 // argmax_kernels.cu
 at::Tensor argmax_rows(const at::Tensor& x);
-at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& inv_temperature, int64_t seed, int64_t offset);
+at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& inv_temperature, const at::Tensor& keys);
 void argmax_rows_into(const at::Tensor& x, const at::Tensor& out);  // out: int64 [rows]; a helper
 
 // allreduce_kernels.cu

@@ -1,6 +1,6 @@
 // Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011): a
 // counter-based generator, so any thread draws the random bits of any (key, counter) without
-// shared state; sample_rows (argmax_kernels.cu) keys its Gumbel noise on (seed, row, column).
+// shared state; sample_rows (argmax_kernels.cu) keys its Gumbel noise on (row key, column).
 #pragma once
 
 #include <cstdint>

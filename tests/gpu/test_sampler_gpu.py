@@ -101,7 +101,7 @@ def test_sample_rows_follows_softmax_across_chunks(dtype):
     base = torch.full((vocab,), -30.0)
     base[hot] = torch.tensor([1.0, 0.3, -0.2, 0.6])
     x = base.to(dtype).cuda().expand(rows, -1).contiguous()
-    tokens = sample_rows(x, torch.full((rows,), 1 / temperature, device="cuda"), 7)
+    tokens = sample_rows(x, torch.full((rows,), 1 / temperature, device="cuda"), keys(rows))
     assert set(tokens.unique().tolist()) <= set(hot)
     want = torch.softmax(x[0, hot].double().cpu() / temperature, -1)
     torch.testing.assert_close(frequencies(tokens.cpu(), hot), want, atol=0.03, rtol=0)
@@ -109,37 +109,41 @@ def test_sample_rows_follows_softmax_across_chunks(dtype):
 
 def test_sample_rows_flat_rows_are_uniform():
     rows, vocab = 8192, 50
-    tokens = sample_rows(torch.zeros(rows, vocab, device="cuda"), torch.full((rows,), 1.0, device="cuda"), 3)
+    tokens = sample_rows(torch.zeros(rows, vocab, device="cuda"), torch.full((rows,), 1.0, device="cuda"), keys(rows))
     torch.testing.assert_close(frequencies(tokens.cpu(), list(range(vocab))),
                                torch.full((vocab,), 1 / vocab, dtype=torch.float64), atol=0.008, rtol=0)
 
 
-def test_sample_rows_argmax_rows_seeds_and_load_widths():
+def keys(rows: int, first: int = 0) -> torch.Tensor:
+    return (torch.arange(first, first + rows, dtype=torch.int64, device="cuda") * 0x9E3779B9) ^ 0x5DEECE66D
+
+
+def test_sample_rows_argmax_rows_keys_and_load_widths():
     x = logits(9, 151936)  # ties across chunks, a NaN row, an all -inf row
     inv_t = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 2.0, 0.0, 0.5], device="cuda")
-    got = sample_rows(x, inv_t, 1)
+    got = sample_rows(x, inv_t, keys(9))
     greedy = (inv_t == 0).cpu()
     assert got.cpu()[greedy].tolist() == x.argmax(-1).cpu()[greedy].tolist()
-    assert torch.equal(sample_rows(x, inv_t, 1), got)  # same seed and offset: same draw
+    assert torch.equal(sample_rows(x, inv_t, keys(9)), got)  # same keys: same draw
     flat = torch.zeros(64, 5000, device="cuda")
     ones = torch.ones(64, device="cuda")
-    assert not torch.equal(sample_rows(flat, ones, 1), sample_rows(flat, ones, 2))
-    assert not torch.equal(sample_rows(flat, ones, 1, 0), sample_rows(flat, ones, 1, 1))
-    # a column's noise depends on (seed, offset, row, column) only: 16-byte or element loads,
-    # bf16 or fp32, wide or narrow chunks, the same draw
+    assert not torch.equal(sample_rows(flat, ones, keys(64)), sample_rows(flat, ones, keys(64, 64)))
+    # a column's noise depends on (row key, column) only: 16-byte or element loads, bf16 or fp32,
+    # wide or narrow chunks, the row's place in the batch, the same draw
     y = logits(64, 128256 + 1, torch.bfloat16)[:, 1:]
     t64 = torch.full((64,), 1.3, device="cuda")
-    same = sample_rows(y.contiguous(), t64, 5)
-    assert torch.equal(sample_rows(y, t64, 5), same)
-    assert torch.equal(sample_rows(y.float(), t64, 5), same)
-    assert torch.equal(sample_rows(y[:3].contiguous(), t64[:3], 5), same[:3])
-    torch.library.opcheck(torch.ops.compilelm.sample_rows.default, (y[:4].contiguous(), t64[:4], 5, 0))
+    same = sample_rows(y.contiguous(), t64, keys(64))
+    assert torch.equal(sample_rows(y, t64, keys(64)), same)
+    assert torch.equal(sample_rows(y.float(), t64, keys(64)), same)
+    assert torch.equal(sample_rows(y[5:8].contiguous(), t64[:3], keys(64)[5:8]), same[5:8])
+    torch.library.opcheck(torch.ops.compilelm.sample_rows.default, (y[:4].contiguous(), t64[:4], keys(4)))
 
 
 def test_sampler_takes_the_one_kernel_path_for_plain_rows():
     """A batch of greedy and temperature-only rows (bf16 logits, no fp32 copy) through the Sampler:
     greedy rows get the argmax, sampled rows softmax's frequencies; a top-p row sends the batch down
-    the general path, which draws from the same distribution."""
+    the general path, which draws from the same distribution. Seeded rows draw the same tokens in
+    any batch."""
     vocab, n = 1000, 3000
     base = torch.full((vocab,), -20.0)
     hot = [10, 500, 999]
@@ -152,3 +156,8 @@ def test_sampler_takes_the_one_kernel_path_for_plain_rows():
         tokens = Sampler().sample_tensors(x.clone(), reqs).token_ids.cpu()
         assert tokens[:5].tolist() == [10] * 5
         torch.testing.assert_close(frequencies(tokens[5:], hot), want, atol=0.04, rtol=0)
+    seeded = [Request(f"s{i}", [1], SamplingParams(temperature=1.0, seed=i)) for i in range(400)]
+    alone = Sampler().sample_tensors(x[:400].clone(), seeded).token_ids.cpu()
+    mixed = Sampler().sample_tensors(x[:800].clone(), plain[:400] + seeded[::-1]).token_ids.cpu()
+    assert mixed[400:].flip(0).tolist() == alone.tolist()
+    torch.testing.assert_close(frequencies(alone, hot), want, atol=0.1, rtol=0)
