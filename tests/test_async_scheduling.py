@@ -84,6 +84,7 @@ def test_mixed_workload_matches_sync(engines):
         ("short", [5, 6, 7], _greedy(3)),
         ("seeded", [1, 2, 3], SamplingParams(n=3, temperature=1.0, top_p=0.9, seed=7, max_tokens=9,
                                              ignore_eos=True, logprobs=2)),
+        ("seeded_plain", [4, 5, 6], SamplingParams(n=2, temperature=0.8, seed=11, max_tokens=9, ignore_eos=True)),
         ("stopstr", [40, 41], _greedy(12, stop=[stop])),
         ("stopid", [7, 8, 9], _greedy(10, stop_token_ids=[eos_ref[3]])),
         ("plp", list(range(60, 80)), _greedy(4, prompt_logprobs=1)),

@@ -354,8 +354,8 @@ def test_sample_rows_op_on_cpu_follows_softmax_and_repeats_its_keys():
 
 
 def test_noise_keys_of_seeded_requests_follow_seed_and_position():
-    """sample_rows keys: a seeded request's depend on (seed, position of the sampled token) only,
-    the position counting a token in flight; unseeded rows get fresh keys each call."""
+    """sample_rows keys: a seeded request's depend on (seed, position of the sampled token) only;
+    unseeded rows get fresh keys each call."""
     from compilelm.runtime.sampler import noise_keys
 
     a, b = make_request(temperature=1.0, seed=5), make_request(temperature=1.0, seed=5, outputs=(4,))
@@ -364,5 +364,28 @@ def test_noise_keys_of_seeded_requests_follow_seed_and_position():
     assert k1[0] == k2[3] and k1[1] == k2[2] and k1[2] == k2[1]  # batch order does not matter
     assert len({k1[0], k1[1], k1[2]}) == 3  # another position, another seed: another key
     assert k1[3] != k2[0]
-    a.num_output_placeholders = 2  # sampling the second token while the first is still in flight
-    assert noise_keys([a])[0] == k1[1]
+    # the step's positions (a token in flight: the request's own count lags) decide
+    assert noise_keys([a, c], positions=[4, 3]) == [k1[1], k1[2]]
+
+
+def test_sample_rows_cpu_kernel_is_its_reference_with_the_keyed_uniforms():
+    from compilelm.ops import sample_rows, sample_rows_ref
+
+    x = torch.randn(8, 1000, generator=torch.Generator().manual_seed(2))
+    inv_t = torch.tensor([0.0, 1.0, 2.0, 0.5, 0.0, 1.0, 1.0, 3.0])
+    keys = torch.arange(8) * 977 - 5
+    uniform = torch.stack([torch.empty(1000).uniform_(generator=torch.Generator().manual_seed(k % 2**64))
+                           for k in keys.tolist()])
+    assert sample_rows(x, inv_t, keys).tolist() == sample_rows_ref(x, inv_t, uniform).tolist()
+
+
+def test_seeded_plain_rows_draw_the_same_tokens_in_any_batch():
+    """A seeded temperature-only request's token depends on its seed, position and logits only:
+    alone, in another order, or beside a top-p row (which sends the batch down the general path)."""
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(4))
+    seeded = [make_request(temperature=0.9, seed=s) for s in range(5)]
+    alone = Sampler()(logits[:5], seeded).token_ids
+    assert Sampler()(logits[:5].flip(0), seeded[::-1]).token_ids == alone[::-1]
+    top_p = make_request(temperature=0.9, top_p=0.5)
+    assert Sampler()(logits, seeded + [top_p]).token_ids[:5] == alone
+    assert Sampler()(logits[:5], seeded).token_ids == alone  # and again: keyed, no generator state

@@ -61,10 +61,18 @@ def _check_sample_args(x, inv_temperature, keys):
 
 @torch.library.register_kernel("compilelm::sample_rows", "cpu")
 def _(x, inv_temperature, keys):
+    # sample_rows_ref in place: each row's uniforms from a generator seeded by its key
     _check_sample_args(x, inv_temperature, keys)
-    uniform = torch.stack([torch.rand(x.shape[1], generator=torch.Generator().manual_seed(k % 2**64))
-                           for k in keys.tolist()]) if x.shape[0] else x.new_empty(x.shape, dtype=torch.float32)
-    return sample_rows_ref(x, inv_temperature, uniform)
+    noise = torch.empty(x.shape, dtype=torch.float32)
+    generator = torch.Generator()
+    for row, key in zip(noise, keys.tolist()):
+        row.uniform_(generator=generator.manual_seed(key % 2**64))
+    noise.log_().neg_().log_().neg_()  # -log(-log u): Gumbel noise
+    ids = torch.addcmul(noise, x.float(), inv_temperature.unsqueeze(1)).argmax(dim=-1)
+    greedy = inv_temperature == 0
+    if greedy.any():
+        ids[greedy] = x[greedy].argmax(dim=-1)
+    return ids
 
 
 @torch.library.register_fake("compilelm::sample_rows")

@@ -427,7 +427,8 @@ class ModelRunner:
             packed = (masks.packed.result().to(logits.device, non_blocking=True), masks.num_rows, masks.words)
         # a full graph's argmax (its input ids, in place: the next step's ids stay there)
         greedy = None if self.greedy_ids is None else self.greedy_ids[:step.num_sampled]
-        return out, self.sampler.sample_tensors(logits, out.sampled, greedy, packed)
+        positions = [sr.num_computed_tokens + sr.num_new_tokens for sr in sched.scheduled if sr.do_sample]
+        return out, self.sampler.sample_tensors(logits, out.sampled, greedy, packed, positions)
 
     def _prompt_logprobs(self, sched: SchedulerOutput, logits: torch.Tensor) -> dict:
         """request id -> [(prompt position, LogprobsLists)]; `logits` holds the prompt-logprob rows

@@ -1,9 +1,9 @@
 """Turns the last-position logits of a batch into one token per request.
 
 Order (vLLM's): logprobs from the raw logits -> min_tokens mask -> penalties -> greedy argmax, or
-temperature -> top-k -> top-p -> min-p -> exponential-race sample. On CUDA a batch of plain rows
-(greedy, or temperature alone: Request.plain_sample) is one kernel, sample_rows (the Gumbel-max
-form of the same draw, on the logits in their own dtype). Per-row parameters become
+temperature -> top-k -> top-p -> min-p -> exponential-race sample. A batch of plain rows (greedy,
+or temperature alone: Request.plain_sample) is one op instead, sample_rows (the Gumbel-max form of
+the same draw, on the logits in their own dtype; one kernel on CUDA). Per-row parameters become
 tensors once per call (pinned host -> device, non-blocking: launching the sampler never waits for
 the GPU), so every step is a handful of batched kernels. `sample_tensors` leaves the result on the
 device (async scheduling copies it to the host later); `__call__` also brings it to the host,
@@ -79,11 +79,14 @@ class Sampler:
 
     def sample_tensors(self, logits: torch.Tensor, requests: list[Request],
                        greedy_ids: torch.Tensor | None = None,
-                       masks: tuple[torch.Tensor, int, int] | None = None) -> SampledTensors:
+                       masks: tuple[torch.Tensor, int, int] | None = None,
+                       positions: list[int] | None = None) -> SampledTensors:
         # logits: [num_reqs, vocab], the model's dtype or fp32; greedy_ids: the argmax of the
         # logits where already computed (int64 [num_reqs]: a full CUDA graph's, fused into its LM
         # head); masks: the grammar masks of the constrained rows, not yet applied, as
-        # (packed int32 on logits' device, k, words) (compilelm/ops/token_bitmask.py), None if none
+        # (packed int32 on logits' device, k, words) (compilelm/ops/token_bitmask.py), None if none;
+        # positions: each row's sampled token's index in its sequence (the step's), None: the
+        # request's next (nothing in flight)
         if all(r.argmax_only for r in requests):  # the common case: one argmax, no host passes
             ids = greedy_ids if greedy_ids is not None else argmax_rows(logits)
             if masks is not None:  # only the masked rows change: their argmax into ids, in place
@@ -91,12 +94,15 @@ class Sampler:
             return SampledTensors(ids, [], [])
         if masks is not None:
             logits = token_bitmask.mask_logits_rows_(logits, *masks)
-        if sample_rows_fits(logits) and all(r.plain_sample for r in requests):
-            # temperature sampling and argmax rows: one kernel over the logits in their dtype
-            params = [r.sampling_params for r in requests]
-            inv_t = _row_tensor([0.0 if p.is_greedy else 1.0 / p.temperature for p in params], logits)
-            keys = _row_tensor(noise_keys(requests), logits, torch.int64)
-            return SampledTensors(fused_sample_rows(logits, inv_t, keys), [], [])
+        fits = not logits.is_cuda or sample_rows_fits(logits)
+        if fits and all(r.plain_sample for r in requests):
+            # temperature sampling and argmax rows: one kernel over the logits in their dtype (CPU:
+            # torch ops, 2-3x the general path's speed: uniforms instead of exponential noise)
+            return SampledTensors(sample_plain(logits, requests, positions), [], [])
+        # seeded plain rows keep sample_rows's draw in a batch that takes this path too (their
+        # tokens must not depend on the batch); nothing below edits their logits
+        keyed = [i for i, r in enumerate(requests) if fits and r.plain_sample and r.sampling_params.seed is not None]
+        plain_logits = logits
         logits = logits.float()  # everything else works in fp32, as vLLM's sampler does
         params = [r.sampling_params for r in requests]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -118,7 +124,12 @@ class Sampler:
             )
             logits = logits.index_put((pen_index,), penalized)
 
-        sampled = sample(logits, requests)  # int64 [num_reqs]
+        sampled = sample(logits, requests, keyed=set(keyed))  # int64 [num_reqs]
+        if keyed:
+            index = _index(keyed, sampled)
+            sampled = sampled.index_copy(0, index, sample_plain(
+                plain_logits.index_select(0, index), [requests[i] for i in keyed],
+                None if positions is None else [positions[i] for i in keyed]))
 
         out = SampledTensors(sampled, lp_rows, [params[i].logprobs for i in lp_rows])
         if lp_rows:
@@ -127,8 +138,18 @@ class Sampler:
         return out
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Greedy rows take the argmax; the others sample after temperature/top-k/top-p/min-p."""
+def sample_plain(logits: torch.Tensor, requests: list[Request], positions: list[int] | None = None) -> torch.Tensor:
+    """Greedy and temperature-only rows (Request.plain_sample) through sample_rows, keyed by
+    noise_keys; logits: [n, vocab] in any float dtype -> int64 [n]."""
+    params = [r.sampling_params for r in requests]
+    inv_t = _row_tensor([0.0 if p.is_greedy else 1.0 / p.temperature for p in params], logits)
+    keys = _row_tensor(noise_keys(requests, positions), logits, torch.int64)
+    return fused_sample_rows(logits, inv_t, keys)
+
+
+def sample(logits: torch.Tensor, requests: list[Request], keyed: set[int] = frozenset()) -> torch.Tensor:
+    """Greedy rows take the argmax; the others sample after temperature/top-k/top-p/min-p. Rows in
+    `keyed` draw no noise from their own generators (the caller replaces them)."""
     # logits: fp32 [num_reqs, vocab] -> int64 [num_reqs]
     params = [r.sampling_params for r in requests]
     greedy = argmax_rows(logits)
@@ -147,22 +168,23 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
             _row_tensor([p.min_p for p in params], logits),
         )
     probs = logits.softmax(dim=-1)
-    generators = [None if p.is_greedy else r.generator for p, r in zip(params, requests)]
+    generators = [None if p.is_greedy or i in keyed else r.generator for i, (p, r) in enumerate(zip(params, requests))]
     noise = exponential_noise(probs, generators)
     random = (probs / noise).argmax(dim=-1)
     is_greedy = _row_tensor([p.is_greedy for p in params], logits, torch.bool)
     return torch.where(is_greedy, greedy, random)
 
 
-def noise_keys(requests: list[Request]) -> list[int]:
+def noise_keys(requests: list[Request], positions: list[int] | None = None) -> list[int]:
     """Each row's sample_rows key (int64): a seeded request's from its seed and the position of the
-    token it samples (the same draw in any batch, and again after a preemption's recompute); the
-    others' fresh from the global generator (LLM(seed=...) repeats them)."""
+    token it samples (`positions`, the step's: the same draw in any batch, under async scheduling,
+    and again after a preemption's recompute; None: the request's next token); the others' fresh
+    from the global generator (LLM(seed=...) repeats them)."""
     keys = torch.randint(2**63 - 1, (len(requests),), dtype=torch.int64).tolist()
     for i, r in enumerate(requests):
         seed = r.sampling_params.seed
-        if seed is not None:  # placeholders count this step's token (the scheduler's do_sample)
-            keys[i] = _mix64(seed, len(r.output_token_ids) + max(r.num_output_placeholders - 1, 0))
+        if seed is not None:
+            keys[i] = _mix64(seed, r.num_tokens if positions is None else positions[i])
     return keys
 
 
