@@ -17,7 +17,7 @@ _MAX_LOGPROBS = 20
 class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
-    RANDOM_SEED = 2  # random, drawn from the request's own generator
+    RANDOM_SEED = 2  # random, from the request's seed (runtime/sampler.py: keyed noise or its own generator)
 
 
 @dataclass(frozen=True)

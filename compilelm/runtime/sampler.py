@@ -7,9 +7,9 @@ the same draw, on the logits in their own dtype; one kernel on CUDA). Per-row pa
 tensors once per call (pinned host -> device, non-blocking: launching the sampler never waits for
 the GPU), so every step is a handful of batched kernels. `sample_tensors` leaves the result on the
 device (async scheduling copies it to the host later); `__call__` also brings it to the host,
-where the `.tolist()` calls are the only waits. A seeded request's noise is keyed by (seed, token
-position) on the one-kernel path and drawn from its own generator on the general one: either way
-its tokens do not depend on what else is in the batch.
+where the `.tolist()` calls are the only waits. A seeded plain request's noise is keyed by (seed,
+token position), in any batch; a seeded request with top-k/top-p/min-p draws from its own
+generator: either way its tokens do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
