@@ -1,16 +1,14 @@
-"""The sampler's cost a step on the GPU: plain temperature sampling through sample_rows (one kernel
-over the logits in their dtype) against the general path it replaces for such rows (an fp32 copy,
-temperature, softmax, exponential noise, the race's argmax), with greedy argmax_rows beside them;
-and the same for seeded requests, whose general path draws each row's noise on the host from the
-request's own generator (`seeded_*`).
+"""The sampler's cost a step on the GPU, by what the batch asks: greedy (argmax_rows), plain
+temperature sampling (sample_rows on the logits in their dtype), top-k + top-p (Qwen3's generation
+defaults, k 20 and p 0.95: the filters from each row's top candidates), top-p alone (Llama-3's, p 0.9:
+a sort of the vocabulary), and top-k + top-p with a seed per request.
 
     python benchmarks/bench_sampler.py [--batches 1 16 64 256] [--vocab 151936]
 
-Logits are bf16 [batch, vocab] (Qwen3's vocabulary by default), every row at temperature 0.6
-(greedy: 0). Each path is `Sampler.sample_tensors` as the engine calls it, or for the general path
-`sample()` on the fp32 logits (what sample_tensors ran for these rows before sample_rows). Times are
-the stream's, CUDA events over --iters calls (so the host's launch cost shows where it exceeds the
-GPU's), median of 5 rounds. Table + JSON (default benchmarks/results/bench_sampler.json). No asserts.
+Logits are bf16 [batch, vocab] (Qwen3's vocabulary by default), temperature 0.6, through
+`Sampler.sample_tensors` as the engine calls it. Times are the stream's, CUDA events over --iters
+calls (so the host's launch cost shows where it exceeds the GPU's), median of 5 rounds. Table + JSON
+(default benchmarks/results/bench_sampler.json). No asserts.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")
 
 from benchmarks.common import print_table, write_result  # noqa: E402
 from compilelm.runtime.request import Request  # noqa: E402
-from compilelm.runtime.sampler import Sampler, sample  # noqa: E402
+from compilelm.runtime.sampler import Sampler  # noqa: E402
 from compilelm.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -59,21 +57,21 @@ def main(argv=None) -> dict:
     sampler, rows = Sampler(), []
     for batch in args.batches:
         logits = torch.randn(batch, args.vocab, device="cuda").mul_(3).to(torch.bfloat16)
-        sampled = [Request(str(i), [1], SamplingParams(temperature=args.temperature)) for i in range(batch)]
-        greedy = [Request(str(i), [1], SamplingParams(temperature=0.0)) for i in range(batch)]
-        seeded = [Request(str(i), [1], SamplingParams(temperature=args.temperature, seed=i)) for i in range(batch)]
-        point = {
-            "batch": batch,
-            "greedy_argmax_us": stream_us(lambda: sampler.sample_tensors(logits, greedy), args.iters),
-            "sample_rows_us": stream_us(lambda: sampler.sample_tensors(logits, sampled), args.iters),
-            "general_path_us": stream_us(lambda: sample(logits.float(), sampled), args.iters),
-            "seeded_sample_rows_us": stream_us(lambda: sampler.sample_tensors(logits, seeded), args.iters),
-            "seeded_general_us": stream_us(lambda: sample(logits.float(), seeded), max(1, args.iters // 10)),
-        }
-        point["speedup"] = point["general_path_us"] / point["sample_rows_us"]
+
+        def requests(**kw):
+            return [Request(str(i), [1], SamplingParams(**kw)) for i in range(batch)]
+
+        t = args.temperature
+        cases = {"greedy_us": requests(temperature=0.0), "plain_us": requests(temperature=t),
+                 "top_k_top_p_us": requests(temperature=t, top_k=20, top_p=0.95),
+                 "top_p_us": requests(temperature=t, top_p=0.9),
+                 "seeded_top_k_top_p_us": [Request(str(i), [1], SamplingParams(temperature=t, top_k=20, top_p=0.95,
+                                                                                seed=i)) for i in range(batch)]}
+        point = {"batch": batch}
+        for name, reqs in cases.items():
+            point[name] = stream_us(lambda reqs=reqs: sampler.sample_tensors(logits, reqs), args.iters)
         rows.append(point)
-    print_table(rows, ["batch", "greedy_argmax_us", "sample_rows_us", "general_path_us", "speedup",
-                       "seeded_sample_rows_us", "seeded_general_us"])
+    print_table(rows, ["batch", "greedy_us", "plain_us", "top_k_top_p_us", "top_p_us", "seeded_top_k_top_p_us"])
     path = write_result("bench_sampler", {"args": vars(args), "rows": rows}, args.out)
     print("wrote", path)
     return {"rows": rows}

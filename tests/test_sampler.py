@@ -389,3 +389,26 @@ def test_seeded_plain_rows_draw_the_same_tokens_in_any_batch():
     top_p = make_request(temperature=0.9, top_p=0.5)
     assert Sampler()(logits, seeded + [top_p]).token_ids[:5] == alone
     assert Sampler()(logits[:5], seeded).token_ids == alone  # and again: keyed, no generator state
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_filters_from_top_candidates_match_the_sort(ties):
+    """apply_top_k_top_p_min_p from each row's top candidates (torch.topk, filter_candidates) keeps
+    exactly the tokens the sort of the vocabulary keeps: rows with top-k (with and without top-p
+    and min-p), min-p alone, no filter; logits rounded to bf16 (ties at the k-th logit)."""
+    from compilelm.runtime.sampler import filter_candidates
+
+    vocab = 5000
+    logits = torch.randn(7, vocab, generator=torch.Generator().manual_seed(9)) * 4
+    if ties:
+        logits = logits.bfloat16().float()
+    filters = [(20, 0.95, 0.0), (1, 1.0, 0.0), (50, 1.0, 0.1), (vocab, 1.0, 0.2), (vocab, 1.0, 0.0),
+               (300, 0.5, 0.0), (7, 0.9, 0.05)]
+    candidates = filter_candidates(filters, vocab)
+    assert candidates == 2 * 300 + 64
+    k, p, min_p = (torch.tensor([f[i] for f in filters]) for i in range(3))
+    want = apply_top_k_top_p_min_p(logits, k, p.float(), min_p.float())
+    got = apply_top_k_top_p_min_p(logits, k, p.float(), min_p.float(), candidates=candidates)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert filter_candidates(filters + [(vocab, 0.9, 0.0)], vocab) is None  # top-p without top-k: sort
+    assert filter_candidates([(3000, 1.0, 0.0)], vocab) is None  # more candidates than the cap

@@ -293,10 +293,6 @@ def test_add_request_rejects_empty_and_duplicate():
         add(sched, "r", [2])
 
 
-def test_request_generator_from_seed():
-    r = Request("r", [1], SamplingParams(seed=7))
-    assert r.generator.initial_seed() == 7
-    assert Request("s", [1], SamplingParams()).generator is None
 
 
 @pytest.mark.parametrize(

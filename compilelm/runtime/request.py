@@ -10,8 +10,6 @@ from __future__ import annotations
 import enum
 import time
 
-import torch
-
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
@@ -81,12 +79,6 @@ class Request:
             p.is_greedy or (p.top_k in (0, -1) and p.top_p >= 1.0 and p.min_p <= 0.0)))
         # the RequestGrammar of a structured output (set by the engine), advanced by each sampled token
         self.grammar = None
-
-        seed = sampling_params.seed
-        self.generator: torch.Generator | None = None
-        if seed is not None:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(seed)
 
     @property
     def num_tokens(self) -> int:

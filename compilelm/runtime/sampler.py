@@ -1,15 +1,16 @@
 """Turns the last-position logits of a batch into one token per request.
 
 Order (vLLM's): logprobs from the raw logits -> min_tokens mask -> penalties -> greedy argmax, or
-temperature -> top-k -> top-p -> min-p -> exponential-race sample. A batch of plain rows (greedy,
-or temperature alone: Request.plain_sample) is one op instead, sample_rows (the Gumbel-max form of
-the same draw, on the logits in their own dtype; one kernel on CUDA). Per-row parameters become
+temperature -> top-k -> top-p -> min-p -> a sample, drawn by sample_rows (the Gumbel-max trick:
+the exponential race's draw in one pass over the logits; one kernel on CUDA). A batch of plain rows
+(greedy, or temperature alone: Request.plain_sample) goes straight to sample_rows, on the logits
+in their own dtype. Per-row parameters become
 tensors once per call (pinned host -> device, non-blocking: launching the sampler never waits for
 the GPU), so every step is a handful of batched kernels. `sample_tensors` leaves the result on the
 device (async scheduling copies it to the host later); `__call__` also brings it to the host,
-where the `.tolist()` calls are the only waits. A seeded plain request's noise is keyed by (seed,
-token position), in any batch; a seeded request with top-k/top-p/min-p draws from its own
-generator: either way its tokens do not depend on what else is in the batch.
+where the `.tolist()` calls are the only waits. A seeded request's noise is keyed by (seed, token
+position), so its tokens do not depend on what else is in the batch, on the path the batch takes
+or on async scheduling.
 """
 
 from __future__ import annotations
@@ -94,15 +95,10 @@ class Sampler:
             return SampledTensors(ids, [], [])
         if masks is not None:
             logits = token_bitmask.mask_logits_rows_(logits, *masks)
-        fits = not logits.is_cuda or sample_rows_fits(logits)
-        if fits and all(r.plain_sample for r in requests):
+        if (not logits.is_cuda or sample_rows_fits(logits)) and all(r.plain_sample for r in requests):
             # temperature sampling and argmax rows: one kernel over the logits in their dtype (CPU:
             # torch ops, 2-3x the general path's speed: uniforms instead of exponential noise)
             return SampledTensors(sample_plain(logits, requests, positions), [], [])
-        # seeded plain rows keep sample_rows's draw in a batch that takes this path too (their
-        # tokens must not depend on the batch); nothing below edits their logits
-        keyed = [i for i, r in enumerate(requests) if fits and r.plain_sample and r.sampling_params.seed is not None]
-        plain_logits = logits
         logits = logits.float()  # everything else works in fp32, as vLLM's sampler does
         params = [r.sampling_params for r in requests]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -124,12 +120,7 @@ class Sampler:
             )
             logits = logits.index_put((pen_index,), penalized)
 
-        sampled = sample(logits, requests, keyed=set(keyed))  # int64 [num_reqs]
-        if keyed:
-            index = _index(keyed, sampled)
-            sampled = sampled.index_copy(0, index, sample_plain(
-                plain_logits.index_select(0, index), [requests[i] for i in keyed],
-                None if positions is None else [positions[i] for i in keyed]))
+        sampled = sample(logits, requests, positions)  # int64 [num_reqs]
 
         out = SampledTensors(sampled, lp_rows, [params[i].logprobs for i in lp_rows])
         if lp_rows:
@@ -147,32 +138,29 @@ def sample_plain(logits: torch.Tensor, requests: list[Request], positions: list[
     return fused_sample_rows(logits, inv_t, keys)
 
 
-def sample(logits: torch.Tensor, requests: list[Request], keyed: set[int] = frozenset()) -> torch.Tensor:
-    """Greedy rows take the argmax; the others sample after temperature/top-k/top-p/min-p. Rows in
-    `keyed` draw no noise from their own generators (the caller replaces them)."""
+def sample(logits: torch.Tensor, requests: list[Request], positions: list[int] | None = None) -> torch.Tensor:
+    """Greedy rows take the argmax; the others sample after temperature/top-k/top-p/min-p, through
+    sample_rows keyed by noise_keys (`positions` as there)."""
     # logits: fp32 [num_reqs, vocab] -> int64 [num_reqs]
     params = [r.sampling_params for r in requests]
-    greedy = argmax_rows(logits)
     if all(p.is_greedy for p in params):
-        return greedy
+        return argmax_rows(logits)
     vocab = logits.shape[-1]
-    temperature = _row_tensor([1.0 if p.is_greedy else p.temperature for p in params], logits)
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    logits = logits / temperature.unsqueeze(1)
-    if any(k < vocab for k in top_k) or any(p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-        # a sort over the vocabulary: only when some row filters (plain sampling is the common case)
-        logits = apply_top_k_top_p_min_p(
-            logits,
-            _row_tensor(top_k, logits, torch.int64),
-            _row_tensor([p.top_p for p in params], logits),
-            _row_tensor([p.min_p for p in params], logits),
+    # (k, p, min_p) a row filters by (vocab, 1, 0: off); greedy rows' draws are discarded: off
+    filters = [(vocab, 1.0, 0.0) if p.is_greedy else (p.top_k if 0 < p.top_k < vocab else vocab, p.top_p, p.min_p)
+               for p in params]
+    if any(f != (vocab, 1.0, 0.0) for f in filters):  # plain sampling (no filter) is the common case
+        # the filters read probabilities after the temperature; their -inf marks the tokens dropped
+        temperature = _row_tensor([1.0 if p.is_greedy else p.temperature for p in params], logits)
+        kept = apply_top_k_top_p_min_p(
+            logits / temperature.unsqueeze(1),
+            _row_tensor([f[0] for f in filters], logits, torch.int64),
+            _row_tensor([f[1] for f in filters], logits),
+            _row_tensor([f[2] for f in filters], logits),
+            candidates=filter_candidates(filters, vocab),
         )
-    probs = logits.softmax(dim=-1)
-    generators = [None if p.is_greedy or i in keyed else r.generator for i, (p, r) in enumerate(zip(params, requests))]
-    noise = exponential_noise(probs, generators)
-    random = (probs / noise).argmax(dim=-1)
-    is_greedy = _row_tensor([p.is_greedy for p in params], logits, torch.bool)
-    return torch.where(is_greedy, greedy, random)
+        logits = logits.masked_fill(torch.isneginf(kept), float("-inf"))
+    return sample_plain(logits, requests, positions)
 
 
 def noise_keys(requests: list[Request], positions: list[int] | None = None) -> list[int]:
@@ -212,45 +200,45 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return fused_argmax_rows(x)
 
 
-def exponential_noise(
-    probs: torch.Tensor, generators: list[torch.Generator | None]
-) -> torch.Tensor:
-    """Exp(1) noise; argmax(probs / noise) is a sample from probs (the exponential race).
+TOP_K_CANDIDATES = 4096  # most top tokens the filters read instead of sorting the vocabulary
 
-    Rows with a generator draw from it (on the generator's device), so a seeded request sees the
-    same noise whatever batch it is in; the other rows share one draw from the global RNG.
-    """
-    # probs: fp32 [num_reqs, vocab] -> noise: fp32 [num_reqs, vocab]
-    noise = torch.empty_like(probs)
-    if any(g is None for g in generators):
-        noise.exponential_()
-    for i, g in enumerate(generators):
-        if g is not None:
-            row = torch.empty(probs.shape[-1], dtype=probs.dtype, device=g.device).exponential_(generator=g)
-            if row.device != probs.device and probs.is_cuda:
-                row = row.pin_memory()  # a non-blocking copy: the host does not wait for the GPU
-            noise[i].copy_(row, non_blocking=True)
-    return noise
+
+def filter_candidates(filters: list[tuple[int, float, float]], vocab: int) -> int | None:
+    """How many top tokens apply_top_k_top_p_min_p needs for these rows' (k, p, min_p) (vocab = no
+    top-k): None (sort the vocabulary) where a row takes top-p without top-k, else twice the largest
+    k and 64 more, room for tokens tied with a k-th logit (bf16 models' logits tie often)."""
+    if any(k >= vocab and p < 1.0 for k, p, _ in filters):
+        return None
+    n = 2 * max((k for k, _, _ in filters if k < vocab), default=1) + 64
+    return n if n <= min(TOP_K_CANDIDATES, vocab) else None
 
 
 def apply_top_k_top_p_min_p(
-    logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, min_p: torch.Tensor
+    logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, min_p: torch.Tensor, candidates: int | None = None
 ) -> torch.Tensor:
     """Set the logits of dropped tokens to -inf; each filter keeps at least the top token.
 
     top-k keeps the k largest, top-p the smallest top set whose probability (renormalized after
     top-k) reaches p, min-p the tokens with prob >= min_p * max prob. Each filter becomes a
     per-row logit threshold, and tokens tied with a threshold are kept, so the result does not
-    depend on how sort orders ties.
+    depend on how sort orders ties. With `candidates` the thresholds come from each row's top
+    `candidates` logits (torch.topk) instead of a sort of the vocabulary: the same wherever a row
+    with top-p has top-k too and its tokens tied with the k-th fit in the candidates (see
+    filter_candidates).
     """
     # logits: fp32 [n, vocab]; k: int64 [n] in [1, vocab] (vocab = off);
     # p: fp32 [n] (1 = off); min_p: fp32 [n] (0 = off)
     vocab = logits.shape[-1]
-    desc = logits.sort(dim=-1, descending=True).values  # [n, vocab]
-    kth = desc.gather(1, (k - 1).clamp(0, vocab - 1).unsqueeze(1))  # [n, 1]
+    if candidates is None or candidates >= vocab:
+        desc = logits.sort(dim=-1, descending=True).values  # [n, vocab]
+    else:
+        desc = logits.topk(candidates, dim=-1).values  # [n, candidates], descending
+    width = desc.shape[-1]
+    kth = desc.gather(1, (k - 1).clamp(0, width - 1).unsqueeze(1))  # [n, 1]
+    kth = kth.masked_fill((k >= vocab).unsqueeze(1), float("-inf"))  # no top-k
     desc = desc.masked_fill(desc < kth, float("-inf"))
     cum = desc.softmax(dim=-1).cumsum(dim=-1)  # mass of the top j+1 tokens
-    num_below = (cum < p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp(max=vocab - 1)
+    num_below = (cum < p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp(max=width - 1)
     pth = desc.gather(1, num_below)  # smallest logit of the kept top-p set
     pth = pth.masked_fill(p.unsqueeze(1) >= 1.0, float("-inf"))  # p == 1 keeps all, exactly
     mth = desc[:, :1] + min_p.unsqueeze(1).log()  # prob >= min_p * max prob; log(0) = -inf
