@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from compilelm.entrypoints.bench.dataset import random_requests
+from compilelm.entrypoints.bench.dataset import random_requests, sharegpt_requests
 
 TINY = ["--model", "dummy:smollm2-135m", "--enforce-eager", "--max-model-len", "256", "--num-kv-blocks", "64"]
 VOCAB = 49152  # SmolLM2-135M's, the dummy preset's
@@ -63,10 +63,13 @@ def test_latency_times_each_iteration(tmp_path):
 
 
 @pytest.mark.parametrize("args, flag", [
-    (["throughput", *TINY, "--dataset-name", "sharegpt"], "--dataset-name"),
+    (["throughput", *TINY, "--dataset-name", "sharegpt"], "--dataset-path"),
+    (["throughput", *TINY, "--dataset-name", "sharegpt", "--dataset-path", "/nonexistent.json"], "--dataset-path"),
+    (["throughput", *TINY, "--dataset-name", "alpaca"], "--dataset-name"),
     (["throughput", *TINY, "--random-range-ratio", "1.5", "--num-prompts", "2"], "--random-range-ratio"),
     (["latency", *TINY, "--num-iters", "0"], "--num-iters"),
     (["serve", "--request-rate", "0"], "--request-rate"),
+    (["serve", "--dataset-name", "sharegpt"], "--dataset-path"),
     (["serve", "--percentile-metrics", "ttft,speed"], "--percentile-metrics"),
     (["serve", "--max-concurrency", "0"], "--max-concurrency"),
     (["serve", "--port", "9", "--ready-check-timeout-sec", "0"], "--base-url"),
@@ -75,3 +78,60 @@ def test_bad_flags_are_named(args, flag):
     r = _cli(*args)
     assert r.returncode == 2 and flag in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+class WordTokenizer:
+    """One id per whitespace-separated word (ids are word lengths): counts anyone can check."""
+
+    def encode(self, text):
+        return [len(w) for w in text.split()]
+
+
+def _sharegpt(path, pairs):
+    path.write_text(json.dumps([{"id": str(i), "conversations": [{"from": "human", "value": p},
+                                                                 {"from": "gpt", "value": c}]}
+                                for i, (p, c) in enumerate(pairs)] + [{"conversations": [{"value": "one turn"}]}]))
+    return str(path)
+
+
+def test_sharegpt_dataset_follows_vllms_filters(tmp_path):
+    words = lambda n: " ".join(["w"] * n)  # noqa: E731
+    path = _sharegpt(tmp_path / "sg.json", [
+        (words(10), words(6)),     # kept
+        (words(3), words(6)),      # prompt under 4 tokens
+        (words(10), words(2)),     # completion under 4 tokens
+        (words(1100), words(6)),   # prompt over 1024
+        (words(1000), words(1100)),  # together over 2048
+        (words(20), words(30)),    # kept
+    ])
+    reqs = sharegpt_requests(path, 2, WordTokenizer(), seed=1)
+    assert sorted((len(r.prompt_token_ids), r.output_len) for r in reqs) == [(10, 6), (20, 30)]
+    # a fixed output length: the short completion and the 1000 + 1100 pair (now 1000 + 3) count
+    fixed = sharegpt_requests(path, 6, WordTokenizer(), output_len=3, seed=1)
+    assert len(fixed) == 6 and {r.output_len for r in fixed} == {3}  # 4 usable pairs, drawn again to 6
+    assert sorted({len(r.prompt_token_ids) for r in fixed}) == [10, 20, 1000]
+    assert sharegpt_requests(path, 6, WordTokenizer(), output_len=3, seed=1) == fixed
+    with pytest.raises(ValueError, match="--dataset-path"):
+        sharegpt_requests(str(tmp_path / "missing.json"), 2, WordTokenizer())
+    (tmp_path / "bad.json").write_text('{"not": "a list"}')
+    with pytest.raises(ValueError, match="--dataset-path"):
+        sharegpt_requests(str(tmp_path / "bad.json"), 2, WordTokenizer())
+
+
+def test_throughput_on_a_sharegpt_file(tmp_path):
+    from compilelm.llm import LLM
+
+    pairs = [("Tell me about the sea and its tides in a few words", "The sea rises and falls twice a day."),
+             ("List three colours please", "Red, green and blue are three colours."),
+             ("Hi", "Hello there, friend.")]  # the last prompt is under 4 tokens
+    path = _sharegpt(tmp_path / "sg.json", pairs)
+    out = tmp_path / "t.json"
+    r = _cli("throughput", *TINY, "--dataset-name", "sharegpt", "--dataset-path", path, "--num-prompts", "2",
+             "--disable-tqdm", "--output-json", str(out))
+    assert r.returncode == 0, r.stderr
+    tok = LLM("dummy:smollm2-135m", enforce_eager=True, max_model_len=256, num_kv_blocks=64).get_tokenizer()
+    want = sharegpt_requests(path, 2, tok)
+    res = json.loads(out.read_text())
+    assert res["num_requests"] == 2
+    assert res["num_prompt_tokens"] == sum(len(q.prompt_token_ids) for q in want)
+    assert res["num_output_tokens"] == sum(q.output_len for q in want)

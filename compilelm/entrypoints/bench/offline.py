@@ -4,8 +4,8 @@
 latency: one batch of `--batch-size` random prompts of `--input-len` tokens, each generating
 exactly `--output-len` tokens (ignore_eos), run `--num-iters-warmup` times untimed then
 `--num-iters` times timed; prints the mean and percentiles of a batch's wall time.
-throughput: `--num-prompts` requests of the random dataset submitted at once; prints requests/s,
-total tokens/s and output tokens/s.
+throughput: `--num-prompts` requests of the random or sharegpt dataset (bench/dataset.py) submitted
+at once; prints requests/s, total tokens/s and output tokens/s.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from compilelm.entrypoints.bench.dataset import random_requests
+from compilelm.entrypoints.bench.dataset import random_requests, sharegpt_requests
 from compilelm.entrypoints.engine_args import ArgError, add_engine_args, engine_config_from_args
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -33,7 +33,11 @@ def add_parsers(sub) -> None:
     _common(lat)
     lat.set_defaults(run=run_latency)
     thr = sub.add_parser("throughput", help="offline throughput of many requests at once (vllm bench throughput)")
-    thr.add_argument("--dataset-name", default="random", help="random (vLLM's random dataset; the only one here)")
+    thr.add_argument("--dataset-name", default="random", choices=["random", "sharegpt"],
+                     help="random ids, or a ShareGPT JSON file (--dataset-path)")
+    thr.add_argument("--dataset-path", default=None, help="sharegpt: the JSON file")
+    thr.add_argument("--sharegpt-output-len", type=int, default=None,
+                     help="sharegpt: every output this long (default: the reference completion's tokens)")
     thr.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=1024)
     thr.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=128)
     thr.add_argument("--num-prompts", type=int, default=1000)
@@ -104,13 +108,19 @@ def run_latency(args: argparse.Namespace) -> int:
 
 
 def run_throughput(args: argparse.Namespace) -> int:
-    if args.dataset_name != "random":
-        raise ArgError(f"--dataset-name: {args.dataset_name!r} is not supported here (random only)")
+    if args.dataset_name == "sharegpt" and not args.dataset_path:
+        raise ArgError("--dataset-path: the sharegpt dataset needs its JSON file")
     llm = _llm(args)
     try:
-        requests = random_requests(args.num_prompts, args.input_len, args.output_len,
-                                   llm.engine.model_config.vocab_size, args.random_range_ratio,
-                                   args.random_prefix_len, args.seed)
+        if args.dataset_name == "sharegpt":
+            if llm.get_tokenizer() is None:
+                raise ArgError("--dataset-name: sharegpt needs the model's tokenizer, and this model has none")
+            requests = sharegpt_requests(args.dataset_path, args.num_prompts, llm.get_tokenizer(),
+                                         args.sharegpt_output_len, args.seed)
+        else:
+            requests = random_requests(args.num_prompts, args.input_len, args.output_len,
+                                       llm.engine.model_config.vocab_size, args.random_range_ratio,
+                                       args.random_prefix_len, args.seed)
     except ValueError as e:
         raise ArgError(str(e)) from e
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]

@@ -1,8 +1,8 @@
 """`compilelm bench serve`: vLLM's online benchmark, a client of a running OpenAI-compatible
 server (compilelm's or vLLM's).
 
-Requests of the random dataset (token-id prompts for the completions API, their decoded text for
-chat) are sent at `--request-rate` per second (gamma-distributed gaps of shape `--burstiness`;
+Requests of the random or sharegpt dataset (token-id prompts for the completions API, their
+decoded text for chat) are sent at `--request-rate` per second (gamma-distributed gaps of shape `--burstiness`;
 `inf`: all at once), at most `--max-concurrency` in flight, streamed. Per request: TTFT (time to
 the first streamed token), ITL (each gap between streamed chunks), TPOT ((latency - TTFT) /
 (output tokens - 1)) and E2EL (the whole latency); output tokens as the server's usage says.
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
-from compilelm.entrypoints.bench.dataset import BenchRequest, random_requests
+from compilelm.entrypoints.bench.dataset import BenchRequest, random_requests, sharegpt_requests
 from compilelm.entrypoints.engine_args import ArgError
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -43,7 +43,11 @@ def add_parser(sub) -> None:
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer for the random ids and their text: a folder, .gguf, repo id, dummy:<preset> or "
                         "default (default: --model's, resolved as `compilelm serve` resolves a model)")
-    p.add_argument("--dataset-name", default="random", help="random (vLLM's random dataset; the only one here)")
+    p.add_argument("--dataset-name", default="random", choices=["random", "sharegpt"],
+                   help="random ids, or a ShareGPT JSON file (--dataset-path)")
+    p.add_argument("--dataset-path", default=None, help="sharegpt: the JSON file")
+    p.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="sharegpt: every output this long (default: the reference completion's tokens)")
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--random-input-len", type=int, default=1024)
     p.add_argument("--random-output-len", type=int, default=128)
@@ -85,8 +89,8 @@ def auth_headers() -> dict:
 
 def check_args(args) -> tuple[list[str], list[float]]:
     """(metrics, percentiles), or ArgError naming the flag."""
-    if args.dataset_name != "random":
-        raise ArgError(f"--dataset-name: {args.dataset_name!r} is not supported here (random only)")
+    if args.dataset_name == "sharegpt" and not args.dataset_path:
+        raise ArgError("--dataset-path: the sharegpt dataset needs its JSON file")
     if not args.request_rate > 0:
         raise ArgError(f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}")
     if not args.burstiness > 0:
@@ -315,9 +319,13 @@ def run(args: argparse.Namespace) -> int:
             raise ArgError(f"--base-url: cannot list the models of {base_url} ({e})") from e
     tokenizer = load_tokenizer_for(args.tokenizer or model)
     try:
-        requests = random_requests(args.num_prompts, args.random_input_len, args.random_output_len, len(tokenizer),
-                                   args.random_range_ratio, args.random_prefix_len, args.seed,
-                                   flags=("--random-input-len", "--random-output-len"))
+        if args.dataset_name == "sharegpt":
+            requests = sharegpt_requests(args.dataset_path, args.num_prompts, tokenizer, args.sharegpt_output_len,
+                                         args.seed)
+        else:
+            requests = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
+                                       len(tokenizer), args.random_range_ratio, args.random_prefix_len, args.seed,
+                                       flags=("--random-input-len", "--random-output-len"))
     except ValueError as e:
         raise ArgError(str(e)) from e
     texts = ([tokenizer.decode(r.prompt_token_ids) for r in requests] if args.backend == "openai-chat"
