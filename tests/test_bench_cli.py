@@ -70,6 +70,9 @@ def test_latency_times_each_iteration(tmp_path):
     (["latency", *TINY, "--num-iters", "0"], "--num-iters"),
     (["serve", "--request-rate", "0"], "--request-rate"),
     (["serve", "--dataset-name", "sharegpt"], "--dataset-path"),
+    (["serve", "--goodput", "ttft"], "--goodput"),
+    (["serve", "--goodput", "ttft:50", "speed:3"], "--goodput"),
+    (["serve", "--goodput", "tpot:-1"], "--goodput"),
     (["serve", "--percentile-metrics", "ttft,speed"], "--percentile-metrics"),
     (["serve", "--max-concurrency", "0"], "--max-concurrency"),
     (["serve", "--port", "9", "--ready-check-timeout-sec", "0"], "--base-url"),
@@ -135,3 +138,22 @@ def test_throughput_on_a_sharegpt_file(tmp_path):
     assert res["num_requests"] == 2
     assert res["num_prompt_tokens"] == sum(len(q.prompt_token_ids) for q in want)
     assert res["num_output_tokens"] == sum(q.output_len for q in want)
+
+
+def test_goodput_counts_the_requests_that_meet_every_objective():
+    from compilelm.entrypoints.bench.serve import RequestResult, parse_goodput, summarize
+
+    slos = parse_goodput(["ttft:100", "tpot:20"])
+    assert slos == {"ttft": 100.0, "tpot": 20.0}
+    results = [
+        RequestResult(ok=True, output_tokens=11, ttft=0.05, latency=0.05 + 10 * 0.015),  # meets both
+        RequestResult(ok=True, output_tokens=11, ttft=0.15, latency=0.15 + 10 * 0.015),  # TTFT too long
+        RequestResult(ok=True, output_tokens=11, ttft=0.05, latency=0.05 + 10 * 0.025),  # TPOT too long
+        RequestResult(ok=True, output_tokens=1, ttft=0.09, latency=0.09),  # one token: TPOT 0, meets
+        RequestResult(ok=False, error="boom"),  # failed: never good
+    ]
+    summary = summarize(results, 2.0, ["ttft"], [99.0], slos)
+    assert summary["request_goodput"] == pytest.approx(2 / 2.0)
+    assert summary["request_throughput"] == pytest.approx(4 / 2.0)
+    assert "request_goodput" not in summarize(results, 2.0, ["ttft"], [99.0])
+    assert summarize(results, 2.0, ["ttft"], [99.0], {"e2el": 250.0})["request_goodput"] == pytest.approx(2 / 2.0)

@@ -27,6 +27,7 @@ from compilelm.entrypoints.bench.dataset import BenchRequest, random_requests, s
 from compilelm.entrypoints.engine_args import ArgError
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")  # per request (vLLM's --goodput)
 METRIC_TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
                  "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
 
@@ -59,6 +60,9 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly the drawn output lengths")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                   help="service-level objectives, e.g. ttft:500 tpot:50 (of ttft, tpot, e2el; ms): also report "
+                        "the requests per second that meet all of them")
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl", help=f"comma-separated, of {','.join(METRICS)}")
     p.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
     p.add_argument("--save-result", action="store_true")
@@ -85,6 +89,22 @@ def auth_headers() -> dict:
     """The bearer token of OPENAI_API_KEY (vLLM's bench reads the key from there), if set."""
     key = os.environ.get("OPENAI_API_KEY")
     return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
+    """--goodput's METRIC:MS pairs as {metric: ms}, or ArgError naming the flag."""
+    slos = {}
+    for pair in pairs or []:
+        name, sep, value = pair.partition(":")
+        if not sep or name not in GOODPUT_METRICS:
+            raise ArgError(f"--goodput: {pair!r} is not METRIC:MS with METRIC one of {', '.join(GOODPUT_METRICS)}")
+        try:
+            slos[name] = float(value)
+        except ValueError as e:
+            raise ArgError(f"--goodput: {pair!r}: {value!r} is not a number of milliseconds") from e
+        if not slos[name] > 0:
+            raise ArgError(f"--goodput: {pair!r}: the objective must be > 0 ms")
+    return slos
 
 
 def check_args(args) -> tuple[list[str], list[float]]:
@@ -232,8 +252,11 @@ async def _test_request(args, base_url, headers, model, endpoint, request, text)
         return await send(c, args, model, endpoint, BenchRequest(request.prompt_token_ids, 2), text)
 
 
-def summarize(results: list[RequestResult], duration: float, metrics: list[str], points: list[float]) -> dict:
-    """vLLM's result fields: counts, throughputs, and mean / median / std / percentiles (ms) per metric."""
+def summarize(results: list[RequestResult], duration: float, metrics: list[str], points: list[float],
+              goodput: dict[str, float] | None = None) -> dict:
+    """vLLM's result fields: counts, throughputs, and mean / median / std / percentiles (ms) per metric;
+    with `goodput` ({metric: ms}) also request_goodput, the completed requests per second that meet
+    every objective (a request of one output token has TPOT 0)."""
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)
@@ -244,6 +267,12 @@ def summarize(results: list[RequestResult], duration: float, metrics: list[str],
                "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
                "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
                "total_token_throughput": (in_tokens + out_tokens) / duration}
+    if goodput:
+        def meets(r: RequestResult) -> bool:
+            tpot = (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+            ms = {"ttft": r.ttft * 1000, "tpot": tpot * 1000, "e2el": r.latency * 1000}
+            return all(ms[m] <= slo for m, slo in goodput.items())
+        summary["request_goodput"] = sum(meets(r) for r in ok) / duration
     for m in METRICS:
         xs = np.asarray(values[m] or [0.0]) * 1000
         summary[f"mean_{m}_ms"], summary[f"median_{m}_ms"], summary[f"std_{m}_ms"] = (
@@ -267,6 +296,8 @@ def print_report(summary: dict, metrics: list[str], points: list[float], args, p
     print(line.format("Total input tokens:", summary["total_input_tokens"]))
     print(line.format("Total generated tokens:", summary["total_output_tokens"]))
     print(line.format("Request throughput (req/s):", f"{summary['request_throughput']:.2f}"))
+    if "request_goodput" in summary:
+        print(line.format("Request goodput (req/s):", f"{summary['request_goodput']:.2f}"))
     print(line.format("Output token throughput (tok/s):", f"{summary['output_throughput']:.2f}"))
     print(line.format("Total Token throughput (tok/s):", f"{summary['total_token_throughput']:.2f}"))
     for m in metrics:
@@ -305,6 +336,7 @@ def run(args: argparse.Namespace) -> int:
     import httpx
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     metrics, points = check_args(args)
+    goodput = parse_goodput(args.goodput)
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     endpoint = args.endpoint or ("/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions")
     headers = auth_headers()
@@ -336,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"Starting the benchmark: {len(requests)} requests to {base_url}{endpoint} ({model}), request rate "
           f"{args.request_rate}, burstiness {args.burstiness}, max concurrency {args.max_concurrency or 'none'}")
     results, duration, peak = asyncio.run(benchmark(args, base_url, requests, texts, model, endpoint))
-    summary = summarize(results, duration, metrics, points)
+    summary = summarize(results, duration, metrics, points, goodput)
     print_report(summary, metrics, points, args, peak)
     if args.save_result:
         name = args.result_filename or f"{args.backend}-{args.request_rate}qps-{model.replace('/', '_')}-" \
