@@ -146,7 +146,7 @@ def sample(logits: torch.Tensor, requests: list[Request], positions: list[int] |
     if all(p.is_greedy for p in params):
         return argmax_rows(logits)
     vocab = logits.shape[-1]
-    # (k, p, min_p) a row filters by (vocab, 1, 0: off); greedy rows' draws are discarded: off
+    # (k, p, min_p) a row filters by (vocab, 1, 0: off); greedy rows none (sample_rows: their argmax)
     filters = [(vocab, 1.0, 0.0) if p.is_greedy else (p.top_k if 0 < p.top_k < vocab else vocab, p.top_p, p.min_p)
                for p in params]
     if any(f != (vocab, 1.0, 0.0) for f in filters):  # plain sampling (no filter) is the common case
