@@ -407,8 +407,32 @@ def test_filters_from_top_candidates_match_the_sort(ties):
     candidates = filter_candidates(filters, vocab)
     assert candidates == 2 * 300 + 64
     k, p, min_p = (torch.tensor([f[i] for f in filters]) for i in range(3))
-    want = apply_top_k_top_p_min_p(logits, k, p.float(), min_p.float())
+    want = apply_top_k_top_p_min_p(logits, k, p.float(), min_p.float(), candidates=vocab)  # the sort
     got = apply_top_k_top_p_min_p(logits, k, p.float(), min_p.float(), candidates=candidates)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     assert filter_candidates(filters + [(vocab, 0.9, 0.0)], vocab) is None  # top-p without top-k: sort
     assert filter_candidates([(3000, 1.0, 0.0)], vocab) is None  # more candidates than the cap
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_cpu_top_p_from_nucleus_candidates_matches_the_sort(ties):
+    """Top-p without top-k on the CPU: where every such row's nucleus lies in its top 1024 logits
+    the thresholds come from them (the same tokens as the sort keeps), else the sort runs."""
+    from compilelm.runtime.sampler import _top_p_from_nucleus_candidates
+
+    vocab = 20000
+    g = torch.Generator().manual_seed(5)
+    peaked = torch.randn(6, vocab, generator=g) * 6  # a few hundred tokens hold most of the mass
+    if ties:
+        peaked = peaked.bfloat16().float()
+    k = torch.tensor([vocab, vocab, 40, vocab, vocab, 1])
+    p = torch.tensor([0.9, 0.5, 0.95, 1.0, 0.99, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.0])
+    sort = apply_top_k_top_p_min_p(peaked, k, p, min_p, candidates=vocab)
+    nucleus = _top_p_from_nucleus_candidates(peaked, k, p, min_p)
+    assert nucleus is not None and torch.equal(torch.isinf(nucleus), torch.isinf(sort))
+    assert torch.equal(torch.isinf(apply_top_k_top_p_min_p(peaked, k, p, min_p)), torch.isinf(sort))
+    flat = torch.randn(6, vocab, generator=g) * 0.1  # the nucleus spans most of the vocabulary
+    assert _top_p_from_nucleus_candidates(flat, k, p, min_p) is None
+    assert torch.equal(apply_top_k_top_p_min_p(flat, k, p, min_p), apply_top_k_top_p_min_p(flat, k, p, min_p,
+                                                                                          candidates=vocab))
