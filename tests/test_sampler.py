@@ -418,7 +418,7 @@ def test_filters_from_top_candidates_match_the_sort(ties):
 def test_cpu_top_p_from_nucleus_candidates_matches_the_sort(ties):
     """Top-p without top-k on the CPU: where every such row's nucleus lies in its top 1024 logits
     the thresholds come from them (the same tokens as the sort keeps), else the sort runs."""
-    from compilelm.runtime.sampler import _top_p_from_nucleus_candidates
+    from compilelm.runtime.sampler import _filter
 
     vocab = 20000
     g = torch.Generator().manual_seed(5)
@@ -429,10 +429,10 @@ def test_cpu_top_p_from_nucleus_candidates_matches_the_sort(ties):
     p = torch.tensor([0.9, 0.5, 0.95, 1.0, 0.99, 1.0])
     min_p = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.0])
     sort = apply_top_k_top_p_min_p(peaked, k, p, min_p, candidates=vocab)
-    nucleus = _top_p_from_nucleus_candidates(peaked, k, p, min_p)
+    nucleus = _filter(peaked, k, p, min_p, 1024, nucleus=True)
     assert nucleus is not None and torch.equal(torch.isinf(nucleus), torch.isinf(sort))
     assert torch.equal(torch.isinf(apply_top_k_top_p_min_p(peaked, k, p, min_p)), torch.isinf(sort))
     flat = torch.randn(6, vocab, generator=g) * 0.1  # the nucleus spans most of the vocabulary
-    assert _top_p_from_nucleus_candidates(flat, k, p, min_p) is None
+    assert _filter(flat, k, p, min_p, 1024, nucleus=True) is None
     assert torch.equal(apply_top_k_top_p_min_p(flat, k, p, min_p), apply_top_k_top_p_min_p(flat, k, p, min_p,
                                                                                           candidates=vocab))

@@ -229,53 +229,41 @@ def apply_top_k_top_p_min_p(
     # logits: fp32 [n, vocab]; k: int64 [n] in [1, vocab] (vocab = off);
     # p: fp32 [n] (1 = off); min_p: fp32 [n] (0 = off)
     vocab = logits.shape[-1]
-    if candidates is None and not logits.is_cuda:
-        kept = _top_p_from_nucleus_candidates(logits, k, p, min_p)
+    if candidates is None and not logits.is_cuda:  # the CPU looks at the top tokens before it sorts
+        n = max(NUCLEUS_CANDIDATES, 2 * int(k.masked_fill(k >= vocab, 1).max()) + 64)
+        kept = _filter(logits, k, p, min_p, n, nucleus=True) if n < vocab and n <= TOP_K_CANDIDATES else None
         if kept is not None:
             return kept
-    if candidates is None or candidates >= vocab:
-        desc = logits.sort(dim=-1, descending=True).values  # [n, vocab]
-    else:
-        desc = logits.topk(candidates, dim=-1).values  # [n, candidates], descending
-    width = desc.shape[-1]
-    kth = desc.gather(1, (k - 1).clamp(0, width - 1).unsqueeze(1))  # [n, 1]
-    kth = kth.masked_fill((k >= vocab).unsqueeze(1), float("-inf"))  # no top-k
-    desc = desc.masked_fill(desc < kth, float("-inf"))
-    cum = desc.softmax(dim=-1).cumsum(dim=-1)  # mass of the top j+1 tokens
-    return _mask_below(logits, desc, cum, kth, p, min_p)
+    return _filter(logits, k, p, min_p, candidates if candidates is not None and candidates < vocab else None)
 
 
 NUCLEUS_CANDIDATES = 1024  # the CPU's first look for a top-p set without top-k
 
 
-def _top_p_from_nucleus_candidates(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor,
-                                   min_p: torch.Tensor) -> torch.Tensor | None:
-    """apply_top_k_top_p_min_p from each row's top NUCLEUS_CANDIDATES logits (more for a large
-    top-k), where a row with top-p and no top-k has its nucleus among them: the candidates' mass
-    over the whole row's reaches p. None (sort instead) where one does not: on the CPU the check
-    costs nothing, on a GPU it would wait for the device, so CUDA always sorts."""
+def _filter(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, min_p: torch.Tensor, n: int | None,
+            nucleus: bool = False) -> torch.Tensor | None:
+    """apply_top_k_top_p_min_p from each row's top `n` logits (None: the sorted vocabulary). With
+    `nucleus` a row with top-p and no top-k reads its probabilities over the whole row, and the
+    result is None (sort instead) where its nucleus is not among the n: on the CPU that check costs
+    nothing, on a GPU it would wait for the device, so CUDA never asks for it."""
     vocab = logits.shape[-1]
-    k_off = k >= vocab
-    n = max(NUCLEUS_CANDIDATES, 2 * int(k.masked_fill(k_off, 1).max()) + 64)
-    if n >= vocab or n > TOP_K_CANDIDATES:
-        return None
-    desc = logits.topk(n, dim=-1).values  # [rows, n], descending
-    kth = desc.gather(1, (k - 1).clamp(0, n - 1).unsqueeze(1))
+    if n is None:
+        desc = logits.sort(dim=-1, descending=True).values  # [rows, vocab]
+    else:
+        desc = logits.topk(n, dim=-1).values  # [rows, n], descending
+    width = desc.shape[-1]
+    k_off = k >= vocab  # no top-k
+    kth = desc.gather(1, (k - 1).clamp(0, width - 1).unsqueeze(1))  # [rows, 1]
     kth = kth.masked_fill(k_off.unsqueeze(1), float("-inf"))
     desc = desc.masked_fill(desc < kth, float("-inf"))
-    # rows with top-k: mass after top-k (all of it among the candidates); without: the whole row's
-    norm = torch.where(k_off.unsqueeze(1), logits.logsumexp(dim=-1, keepdim=True), desc.logsumexp(dim=-1, keepdim=True))
-    cum = (desc - norm).exp().cumsum(dim=-1)
-    if not bool(((cum[:, -1] >= p) | ~(k_off & (p < 1.0))).all()):
-        return None
-    return _mask_below(logits, desc, cum, kth, p, min_p)
-
-
-def _mask_below(logits: torch.Tensor, desc: torch.Tensor, cum: torch.Tensor, kth: torch.Tensor, p: torch.Tensor,
-                min_p: torch.Tensor) -> torch.Tensor:
-    """The logits below each row's threshold (top-k's kth, top-p's and min-p's) set to -inf; desc:
-    the row's top logits, descending (past top-k: -inf), cum: their cumulative probabilities."""
-    width = desc.shape[-1]
+    if nucleus:  # rows with top-k: mass after top-k (all of it among the n); without: the whole row's
+        norm = torch.where(k_off.unsqueeze(1), logits.logsumexp(dim=-1, keepdim=True),
+                           desc.logsumexp(dim=-1, keepdim=True))
+        cum = (desc - norm).exp().cumsum(dim=-1)
+        if not bool(((cum[:, -1] >= p) | ~(k_off & (p < 1.0))).all()):
+            return None
+    else:
+        cum = desc.softmax(dim=-1).cumsum(dim=-1)  # mass of the top j+1 tokens
     num_below = (cum < p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp(max=width - 1)
     pth = desc.gather(1, num_below)  # smallest logit of the kept top-p set
     pth = pth.masked_fill(p.unsqueeze(1) >= 1.0, float("-inf"))  # p == 1 keeps all, exactly

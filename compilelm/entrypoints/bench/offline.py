@@ -113,10 +113,11 @@ def run_throughput(args: argparse.Namespace) -> int:
     llm = _llm(args)
     try:
         if args.dataset_name == "sharegpt":
-            if llm.get_tokenizer() is None:
+            tokenizer = llm.get_tokenizer()
+            if tokenizer is None:
                 raise ArgError("--dataset-name: sharegpt needs the model's tokenizer, and this model has none")
-            requests = sharegpt_requests(args.dataset_path, args.num_prompts, llm.get_tokenizer(),
-                                         args.sharegpt_output_len, args.seed)
+            requests = sharegpt_requests(args.dataset_path, args.num_prompts, tokenizer, args.sharegpt_output_len,
+                                         args.seed)
         else:
             requests = random_requests(args.num_prompts, args.input_len, args.output_len,
                                        llm.engine.model_config.vocab_size, args.random_range_ratio,

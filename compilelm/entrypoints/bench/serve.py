@@ -2,8 +2,8 @@
 server (compilelm's or vLLM's).
 
 Requests of the random or sharegpt dataset (token-id prompts for the completions API, their
-decoded text for chat) are sent at `--request-rate` per second (gamma-distributed gaps of shape `--burstiness`;
-`inf`: all at once), at most `--max-concurrency` in flight, streamed. Per request: TTFT (time to
+decoded text for chat) are sent at `--request-rate` per second (gamma-distributed gaps of shape
+`--burstiness`; `inf`: all at once), at most `--max-concurrency` in flight, streamed. Per request: TTFT (time to
 the first streamed token), ITL (each gap between streamed chunks), TPOT ((latency - TTFT) /
 (output tokens - 1)) and E2EL (the whole latency); output tokens as the server's usage says.
 The report is vLLM's; `--save-result` writes it as JSON.
