@@ -97,7 +97,7 @@ class Sampler:
             logits = token_bitmask.mask_logits_rows_(logits, *masks)
         if (not logits.is_cuda or sample_rows_fits(logits)) and all(r.plain_sample for r in requests):
             # temperature sampling and argmax rows: one kernel over the logits in their dtype (CPU:
-            # torch ops, 2-3x the general path's speed: uniforms instead of exponential noise)
+            # torch ops over keyed uniforms)
             return SampledTensors(sample_plain(logits, requests, positions), [], [])
         logits = logits.float()  # everything else works in fp32, as vLLM's sampler does
         params = [r.sampling_params for r in requests]
