@@ -5,7 +5,7 @@ default decode kernel (tensor cores where the launch fills the GPU) beside the C
 
     python benchmarks/bench_attention.py [--batches 1 4 16 64 256] [--contexts 512 2048 8192 32768]
                                          [--heads 32 8] [--vllm-site /tmp/vllm_site]
-                                         [--layers 28 --cache-gb 2]
+                                         [--layers 28 --cache-gb 2] [--kv-cache-dtype fp8]
 
 Shapes are Llama-3-8B's attention (32 query heads, 8 kv heads, head_size 128; `--heads` for others,
 e.g. Qwen3-0.6B's 16 8), bf16, block 16,
@@ -25,6 +25,8 @@ scripts/gpu_vs_vllm.sh unpacks it), FlashAttention 3 as vLLM calls it for decode
 (flash_attn_varlen_func on the same paged cache and block tables) is timed beside it (`fa3_us`).
 --layers N times each point a second way, as a decode graph calls it: N calls in one graph, each
 over its own layer's K and V tensors of --cache-gb GB (the engine's), pages in id order.
+--kv-cache-dtype fp8 stores the caches in float8_e4m3fn (the random values rounded to it, scales
+1.0; bandwidth counts their bytes), SDPA reading them widened to bf16; FA3 is not timed on them.
 
 Prints a table and writes JSON (default benchmarks/results/bench_attention.json). No asserts.
 """
@@ -109,27 +111,29 @@ def sdpa_backend(q, k, v) -> str:
         return "unknown"
 
 
-def make_cache(shape, layout: str, gen) -> torch.Tensor:
-    """Random values of `shape` = [num_blocks, block_size, num_kv_heads, head_size] in `layout`."""
+def make_cache(shape, layout: str, gen, cache_dtype: torch.dtype = DTYPE) -> torch.Tensor:
+    """Random values of `shape` = [num_blocks, block_size, num_kv_heads, head_size] in `layout`,
+    stored as cache_dtype."""
     if layout == "slot_major":
-        return torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
+        return torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE).to(cache_dtype)
     blocks, block_size, heads, head_size = shape
     return torch.randn((blocks, heads, block_size, head_size), generator=gen, device="cuda",
-                       dtype=DTYPE).transpose(1, 2)
+                       dtype=DTYPE).to(cache_dtype).transpose(1, 2)
 
 
 def bench_point(batch: int, context: int, l2_bytes: int, iters: int, layout: str,
                 heads: tuple[int, int] = (NUM_HEADS, NUM_KV_HEADS), fa3=None, splits=(),
-                pages: str = "shuffled") -> dict:
+                pages: str = "shuffled", cache_dtype: torch.dtype = DTYPE) -> dict:
     num_heads, num_kv_heads = heads
     blocks_per_seq = context // BLOCK_SIZE
-    kv_bytes = 2 * batch * context * num_kv_heads * HEAD_SIZE * DTYPE.itemsize
+    kv_bytes = 2 * batch * context * num_kv_heads * HEAD_SIZE * cache_dtype.itemsize
     sets = max(1, min(32, math.ceil(4 * l2_bytes / kv_bytes)))  # disjoint working sets
     calls = max(sets, 4)
     gen = torch.Generator(device="cuda").manual_seed(batch * 100003 + context)
     num_blocks = 1 + sets * batch * blocks_per_seq
     cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_SIZE)
-    key_cache, value_cache = make_cache(cache_shape, layout, gen), make_cache(cache_shape, layout, gen)
+    key_cache = make_cache(cache_shape, layout, gen, cache_dtype)
+    value_cache = make_cache(cache_shape, layout, gen, cache_dtype)
     # each set owns its pages, in random order (a long-running cache is not laid out in order), or
     # (pages="in_order") each sequence's pages one run after the other, as a fresh block pool hands them out
     if pages == "in_order":
@@ -167,7 +171,8 @@ def bench_point(batch: int, context: int, l2_bytes: int, iters: int, layout: str
 
     # SDPA on the same keys/values laid out contiguously: [sets, batch, kv_heads, context, head_size]
     def contiguous(cache):
-        return cache[tables.long()].reshape(sets, batch, context, num_kv_heads, HEAD_SIZE).transpose(2, 3).contiguous()
+        rows = cache[tables.long()].to(DTYPE)
+        return rows.reshape(sets, batch, context, num_kv_heads, HEAD_SIZE).transpose(2, 3).contiguous()
 
     key, value = contiguous(key_cache), contiguous(value_cache)
     sdpa_query = query.unsqueeze(3)  # [sets, batch, num_heads, 1, head_size]
@@ -205,18 +210,18 @@ def bench_point(batch: int, context: int, l2_bytes: int, iters: int, layout: str
 
 
 def bench_layer_chain(batch: int, context: int, layers: int, cache_gb: float, iters: int,
-                      heads: tuple[int, int] = (NUM_HEADS, NUM_KV_HEADS)) -> dict:
+                      heads: tuple[int, int] = (NUM_HEADS, NUM_KV_HEADS), cache_dtype: torch.dtype = DTYPE) -> dict:
     """The decode graph's view of attention: `layers` calls in one graph, each over its own layer's
     key and value caches of `cache_gb` GB apiece (the engine's per-layer tensors), the sequences'
     pages one run each in id order (a fresh pool's). Against bench_point, whose one cache holds only
     the call's pages: whether many large caches (TLB reach) slow the same kernel."""
     num_heads, num_kv_heads = heads
     blocks_per_seq = context // BLOCK_SIZE
-    block_bytes = 2 * BLOCK_SIZE * num_kv_heads * HEAD_SIZE * DTYPE.itemsize  # K and V
+    block_bytes = 2 * BLOCK_SIZE * num_kv_heads * HEAD_SIZE * cache_dtype.itemsize  # K and V
     num_blocks = max(1 + batch * blocks_per_seq, int(cache_gb * 1e9 * 2 / block_bytes))
     shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_SIZE)
-    caches = [(torch.empty(shape, device="cuda", dtype=DTYPE).normal_(),
-               torch.empty(shape, device="cuda", dtype=DTYPE).normal_()) for _ in range(layers)]
+    caches = [(torch.empty(shape, device="cuda", dtype=DTYPE).normal_().to(cache_dtype),
+               torch.empty(shape, device="cuda", dtype=DTYPE).normal_().to(cache_dtype)) for _ in range(layers)]
     tables = torch.arange(1, 1 + batch * blocks_per_seq, device="cuda", dtype=torch.int32).view(batch, -1)
     query = torch.randn(batch, num_heads, HEAD_SIZE, device="cuda", dtype=DTYPE)
     cu_seqlens_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
@@ -228,7 +233,7 @@ def bench_layer_chain(batch: int, context: int, layers: int, cache_gb: float, it
                                max_query_len=1)
 
     seconds = time_graph(call, layers, iters)
-    kv_bytes = 2 * batch * context * num_kv_heads * HEAD_SIZE * DTYPE.itemsize
+    kv_bytes = 2 * batch * context * num_kv_heads * HEAD_SIZE * cache_dtype.itemsize
     caches.clear()  # (the graph keeps its own references until it goes)
     return {"batch": batch, "context": context, "layers": layers, "cache_GB_per_tensor": num_blocks * block_bytes / 2e9,
             "us_per_layer": seconds * 1e6, "GBps": kv_bytes / seconds / 1e9}
@@ -251,9 +256,12 @@ def main() -> None:
                         help="also time a chain of this many layers' calls, each over its own caches")
     parser.add_argument("--cache-gb", type=float, default=2.0, help="with --layers: GB per layer's K (and V) tensor")
     parser.add_argument("--splits", type=int, nargs="*", default=[], help="also time these forced split-K counts")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="the caches in bf16 (auto) or float8_e4m3fn")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench_attention.json)")
     args = parser.parse_args()
-    fa3 = load_fa3(args.vllm_site)
+    cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE
+    fa3 = load_fa3(args.vllm_site) if cache_dtype == DTYPE else None
 
     copy = copy_bandwidth(args.iters)
     copy_Bps = copy["copy_GBps"] * 1e9
@@ -263,7 +271,8 @@ def main() -> None:
     points = [(layout, batch, context) for layout in args.layouts for batch in args.batches
               for context in args.contexts if batch * context <= args.max_tokens]
     for layout, batch, context in points:
-        row = bench_point(batch, context, l2_bytes, args.iters, layout, tuple(args.heads), fa3, args.splits, args.pages)
+        row = bench_point(batch, context, l2_bytes, args.iters, layout, tuple(args.heads), fa3, args.splits, args.pages,
+                          cache_dtype)
         row["pct_of_copy_bw"] = 100 * row["paged_GBps"] * 1e9 / copy_Bps
         row["pct_of_spec_bw"] = 100 * row["paged_GBps"] / spec_GBps if spec_GBps else None
         rows.append(row)
@@ -275,7 +284,8 @@ def main() -> None:
     chains = []
     if args.layers:
         for _, batch, context in points:
-            chains.append(bench_layer_chain(batch, context, args.layers, args.cache_gb, args.iters, tuple(args.heads)))
+            chains.append(bench_layer_chain(batch, context, args.layers, args.cache_gb, args.iters, tuple(args.heads),
+                                            cache_dtype))
             print(f"b{batch} c{context}: {args.layers} layers over {chains[-1]['cache_GB_per_tensor']:.1f} GB caches, "
                   f"{chains[-1]['us_per_layer']:.1f} us a layer ({chains[-1]['GBps']:.0f} GB/s)")
             torch.cuda.empty_cache()
@@ -296,7 +306,7 @@ def main() -> None:
     }
     print(summary)
     shapes = dict(num_heads=args.heads[0], num_kv_heads=args.heads[1], head_size=HEAD_SIZE, block_size=BLOCK_SIZE,
-                  dtype=str(DTYPE), iters=args.iters)
+                  dtype=str(DTYPE), kv_cache_dtype=str(cache_dtype), iters=args.iters)
     print("wrote", write_result("bench_attention", {"shapes": shapes, "summary": summary, "rows": rows,
                                                        **({"layer_chain": chains} if chains else {})}, args.out))
 

@@ -16,9 +16,13 @@
 // attention".
 //
 // FP8 caches (C = __nv_fp8_e4m3): the ring holds the codes (16 a 16-byte copy: half a 16-bit
-// tile's bytes), and each warp widens its landed tile into one staging tile of fp16 (a cvt per two
-// codes; e4m3 is a subset of fp16, so exact) that the same ldmatrix + mma code reads. Both
-// products then run in fp16: the queries rounded to fp16 (clamped to its range), the softmax
+// tile's bytes), and the products read them from the ring with the same ldmatrix, widening in
+// registers (a cvt per two codes; e4m3 is a subset of fp16, so exact) with no staging tile. An
+// ldmatrix of codes gives a lane 4 consecutive codes where an fp16 B fragment holds pairs 8 apart,
+// so the fragments are used in a permuted order the other operand follows: in S = Q K^T the head
+// dimension (a sum: the query fragments are loaded in the same order), in O += P V the output
+// columns (even and odd elements in separate accumulator tiles, put back in order at the end).
+// Both products run in fp16: the queries rounded to fp16 (clamped to its range), the softmax
 // weights P in fp16 (finer than bf16). k_scale is folded into the softmax scale (p.scale_log2),
 // v_scale multiplies the output, as in the CUDA-core kernel.
 //
@@ -41,10 +45,9 @@ constexpr int kWarps = 4;
 constexpr int kTileKeys = 16;  // keys per tile: the n of S = Q K^T, the k of O += P V
 constexpr int kRows = 16;      // query heads of a program, at most (the m of both products)
 constexpr int kStages = 3;     // tiles of a warp's ring: two in flight while one is computed
-constexpr int kPad = 8;        // fp16/bf16 elements per shared row: 8 consecutive rows hit distinct banks
 
 template <typename C>
-constexpr int ring_stride(int d) {  // elements of a ring row: 16 bytes of padding, as kPad
+constexpr int ring_stride(int d) {  // elements of a ring row: 16 bytes of padding, so 8 consecutive rows hit distinct banks
   return d + 16 / static_cast<int>(sizeof(C));
 }
 template <typename C, int D>
@@ -52,8 +55,8 @@ constexpr int ring_bytes() {  // kStages tiles of K and of V per warp, in the ca
   return kWarps * kStages * 2 * kTileKeys * ring_stride<C>(D) * static_cast<int>(sizeof(C));
 }
 template <typename C, int D>
-constexpr int smem_bytes() {  // the rings, then (FP8 caches) a staging tile of K and of V per warp, in fp16
-  return ring_bytes<C, D>() + (sizeof(C) == 1 ? kWarps * 2 * kTileKeys * (D + kPad) * 2 : 0);
+constexpr int smem_bytes() {
+  return ring_bytes<C, D>();
 }
 static_assert(smem_bytes<__half, 64>() >= kWarps * kRows * 64 * 4, "the warps' states reuse the ring");
 static_assert(smem_bytes<__nv_fp8_e4m3, 64>() >= kWarps * kRows * 64 * 4, "the warps' states reuse the ring");
@@ -78,7 +81,6 @@ __global__ void __launch_bounds__(kWarps * 32)
     paged_attention_decode_mma_kernel(const AttentionParams p, const SplitParams s) {
   constexpr bool kFp8 = sizeof(C) == 1;
   using Op = std::conditional_t<kFp8, __half, T>;  // the products' operand type
-  constexpr int kStride = D + kPad;                // of a tile the products read (Op)
   constexpr int kCStride = ring_stride<C>(D);      // of a ring tile (C)
   constexpr int kChunkElems = 16 / static_cast<int>(sizeof(C));
   constexpr int kChunks = D / kChunkElems;  // 16-byte chunks of a cache row
@@ -105,9 +107,6 @@ __global__ void __launch_bounds__(kWarps * 32)
   const C* value_cache = static_cast<const C*>(p.value_cache) + kv_head * p.head_stride;
   C* s_k = reinterpret_cast<C*>(smem) + warp * kStages * 2 * kTileKeys * kCStride;  // [kStages][kTileKeys][kCStride]
   C* s_v = s_k + kStages * kTileKeys * kCStride;
-  // FP8: the warp's widened K and V tiles, [kTileKeys][kStride] each, after every warp's ring
-  Op* s_k16 = reinterpret_cast<Op*>(smem + ring_bytes<C, D>()) + warp * 2 * kTileKeys * kStride;
-  Op* s_v16 = s_k16 + kTileKeys * kStride;
 
   const auto first_key = [&](int i) { return begin + (warp + i * kWarps) * kTileKeys; };  // of the warp's tile i
   // Tiles that start on a cache block's boundary lie in one block (block_size a multiple of the
@@ -165,9 +164,12 @@ __global__ void __launch_bounds__(kWarps * 32)
   if (split >= active) return;  // no keys: no partial, not counted
   if (!early) load_prologue();
 
-  // A fragments of the group's query rows (lane = 4 * group + quad: rows group, group + 8)
+  // A fragments of the group's query rows (lane = 4 * group + quad: rows group, group + 8), at
+  // columns 2 quad (+ 8) of each 16; FP8 caches: at columns 4 quad (+ 2), the K fragments' order
   const int group_row = lane / 4, quad = lane % 4;
-  const T* query = static_cast<const T*>(p.query) + static_cast<int64_t>(token) * p.q_stride + head0 * D + 2 * quad;
+  constexpr int kQuadStep = kFp8 ? 4 : 2, kHalfStep = kFp8 ? 2 : 8;
+  const T* query =
+      static_cast<const T*>(p.query) + static_cast<int64_t>(token) * p.q_stride + head0 * D + kQuadStep * quad;
   uint32_t q_frag[D / 16][4];
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
@@ -175,27 +177,12 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int h = 0; h < 2; ++h) {
       const int r = group_row + 8 * h;
       q_frag[ks][h] = r < num_q ? load_query_pair<Op>(query + r * D + ks * 16) : 0u;
-      q_frag[ks][h + 2] = r < num_q ? load_query_pair<Op>(query + r * D + ks * 16 + 8) : 0u;
+      q_frag[ks][h + 2] = r < num_q ? load_query_pair<Op>(query + r * D + ks * 16 + kHalfStep) : 0u;
     }
   }
-  // FP8: a landed ring tile (codes) widened into the staging tile (fp16), 16 codes a lane a step
-  const auto widen_tile = [&](const C* src, Op* dst) {
-#pragma unroll
-    for (int c = lane; c < kTileKeys * kChunks; c += 32) {
-      const int j = c / kChunks, piece = c % kChunks;
-      const uint4 codes = *reinterpret_cast<const uint4*>(src + j * kCStride + piece * kChunkElems);
-      const uint32_t w[4] = {codes.x, codes.y, codes.z, codes.w};
-      uint32_t h[8];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        h[2 * i] = fp8x2_to_half2_bits(static_cast<uint16_t>(w[i] & 0xffffu));
-        h[2 * i + 1] = fp8x2_to_half2_bits(static_cast<uint16_t>(w[i] >> 16));
-      }
-      uint4* out = reinterpret_cast<uint4*>(dst + j * kStride + piece * kChunkElems);
-      out[0] = make_uint4(h[0], h[1], h[2], h[3]);
-      out[1] = make_uint4(h[4], h[5], h[6], h[7]);
-    }
-  };
+  // FP8: the ring row of ldmatrix matrix lane / 8 for keys (lane / 8) % 2 * 8 + lane % 8 and
+  // 16-code chunk 2 t + lane / 16 of a head: x4 = {keys 0-7, keys 8-15} x chunks {2 t, 2 t + 1}
+  const int fp8_row = ((lane / 8) % 2 * 8 + lane % 8) * kCStride + (lane / 16) * 16;
 
   float o[D / 8][4] = {};  // O of rows (group, group + 8) x elements 8 dt + 2 quad (+1)
   float m[2] = {-INFINITY, -INFINITY}, l_sum[2] = {0.f, 0.f};
@@ -204,27 +191,36 @@ __global__ void __launch_bounds__(kWarps * 32)
     cp_async_commit();
     cp_async_wait<kStages - 1>();  // tile i has landed (this lane's copies) ...
     __syncwarp();                  // ... and every lane's
-    const Op* k_tile;
-    const Op* v_tile;
-    if constexpr (kFp8) {
-      widen_tile(s_k + (i % kStages) * kTileKeys * kCStride, s_k16);
-      widen_tile(s_v + (i % kStages) * kTileKeys * kCStride, s_v16);
-      __syncwarp();  // the staging tiles are whole
-      k_tile = s_k16;
-      v_tile = s_v16;
-    } else {
-      k_tile = s_k + (i % kStages) * kTileKeys * kCStride;
-      v_tile = s_v + (i % kStages) * kTileKeys * kCStride;
-    }
+    const C* k_ring = s_k + (i % kStages) * kTileKeys * kCStride;
+    const C* v_ring = s_v + (i % kStages) * kTileKeys * kCStride;
 
     // S = Q K^T: [16 rows x 16 keys] as two accumulator tiles of 8 keys
     float sc[2][4] = {};
+    if constexpr (kFp8) {
+      // a lane's register of a matrix: codes 4 quad .. 4 quad + 3 of a chunk, for key `group`:
+      // the first two are B's rows 2 quad (+1), the last two its rows 2 quad + 8 (+1)
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      uint32_t b[4];
-      ldmatrix_x4(b, k_tile + ((lane / 16) * 8 + lane % 8) * kStride + ks * 16 + ((lane / 8) % 2) * 8);
-      mma<Op>(sc[0], q_frag[ks], b[0], b[1]);
-      mma<Op>(sc[1], q_frag[ks], b[2], b[3]);
+      for (int t = 0; t < D / 32; ++t) {
+        uint32_t r[4];
+        ldmatrix_x4(r, k_ring + fp8_row + 32 * t);
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            const uint32_t codes = r[2 * c + nt];
+            mma<Op>(sc[nt], q_frag[2 * t + c], fp8x2_to_half2_bits(static_cast<uint16_t>(codes & 0xffffu)),
+                    fp8x2_to_half2_bits(static_cast<uint16_t>(codes >> 16)));
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        uint32_t b[4];
+        ldmatrix_x4(b, k_ring + ((lane / 16) * 8 + lane % 8) * kCStride + ks * 16 + ((lane / 8) % 2) * 8);
+        mma<Op>(sc[0], q_frag[ks], b[0], b[1]);
+        mma<Op>(sc[1], q_frag[ks], b[2], b[3]);
+      }
     }
     const int key0 = first_key(i);
 #pragma unroll
@@ -242,14 +238,34 @@ __global__ void __launch_bounds__(kWarps * 32)
     // O += P V: the two accumulator tiles of P are the A fragment of the product
     const uint32_t a[4] = {pack<Op>(sc[0][0], sc[0][1]), pack<Op>(sc[0][2], sc[0][3]), pack<Op>(sc[1][0], sc[1][1]),
                            pack<Op>(sc[1][2], sc[1][3])};
+    if constexpr (kFp8) {
+      // a lane's register of a transposed matrix: bytes (key 2 quad: elements 2 group, 2 group + 1),
+      // then key 2 quad + 1's: regrouped by element, the B fragments of two output tiles, the
+      // chunk's even elements (o[2 chunk]) and its odd ones (o[2 chunk + 1])
 #pragma unroll
-    for (int dp = 0; dp < D / 16; ++dp) {
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, v_tile + (((lane / 8) % 2) * 8 + lane % 8) * kStride + dp * 16 + (lane / 16) * 8);
-      mma<Op>(o[2 * dp], a, b[0], b[1]);
-      mma<Op>(o[2 * dp + 1], a, b[2], b[3]);
+      for (int t = 0; t < D / 32; ++t) {
+        uint32_t r[4];
+        ldmatrix_x4_trans(r, v_ring + fp8_row + 32 * t);
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const uint32_t lo = __byte_perm(r[2 * c], 0, 0x3120), hi = __byte_perm(r[2 * c + 1], 0, 0x3120);
+          const int chunk = 2 * t + c;
+          mma<Op>(o[2 * chunk], a, fp8x2_to_half2_bits(static_cast<uint16_t>(lo & 0xffffu)),
+                  fp8x2_to_half2_bits(static_cast<uint16_t>(hi & 0xffffu)));
+          mma<Op>(o[2 * chunk + 1], a, fp8x2_to_half2_bits(static_cast<uint16_t>(lo >> 16)),
+                  fp8x2_to_half2_bits(static_cast<uint16_t>(hi >> 16)));
+        }
+      }
+    } else {
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, v_ring + (((lane / 8) % 2) * 8 + lane % 8) * kCStride + dp * 16 + (lane / 16) * 8);
+        mma<Op>(o[2 * dp], a, b[0], b[1]);
+        mma<Op>(o[2 * dp + 1], a, b[2], b[3]);
+      }
     }
-    __syncwarp();  // every lane is done with this stage (and the staging tiles) before they are refilled
+    __syncwarp();  // every lane is done with this stage before it is refilled
   }
   cp_async_wait<0>();  // the ring's trailing empty groups
 
@@ -264,8 +280,12 @@ __global__ void __launch_bounds__(kWarps * 32)
     if (r >= num_q) continue;
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt) {
-      s_acc[warp][r][dt * 8 + 2 * quad] = o[dt][2 * h];
-      s_acc[warp][r][dt * 8 + 2 * quad + 1] = o[dt][2 * h + 1];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        // element of o[dt][2 h + e]: 8 dt + 2 quad + e; FP8: the chunk's even or odd elements
+        const int d = kFp8 ? (dt / 2) * 16 + 4 * quad + 2 * e + dt % 2 : dt * 8 + 2 * quad + e;
+        s_acc[warp][r][d] = o[dt][2 * h + e];
+      }
     }
     if (quad == 0) {
       s_m[warp][r] = m[h];
