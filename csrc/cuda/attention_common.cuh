@@ -69,8 +69,12 @@ constexpr int kMinSplitKeys = 64;  // keys of a split, at least (launch: max_con
 // Keys per split of a row with num_keys keys, and the splits that get any: num_splits comes from
 // the launch's shapes (block-table width), but a short row is not cut into slivers (a split's
 // fixed cost and its partial's merge outweigh a few keys); the splits past `active` exit at once.
+// A split's keys are a multiple of kSplitAlign, so every split starts on a 16-key tile of the
+// tensor-core kernel and, with the engine's 16-token blocks, on a cache block (its fast path).
+constexpr int kSplitAlign = 16;
 __device__ __forceinline__ int split_keys(int num_keys, int num_splits) {
-  return max((num_keys + num_splits - 1) / num_splits, kMinSplitKeys);
+  const int keys = max((num_keys + num_splits - 1) / num_splits, kMinSplitKeys);
+  return (keys + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
 }
 __device__ __forceinline__ int active_splits(int num_keys, int num_splits) {
   const int keys = split_keys(num_keys, num_splits);
