@@ -214,7 +214,9 @@ TORCH_LIBRARY(compilelm, m) {
   // draw depends on its logits, temperature and key only (not on the batch). Rows with
   // inv_temperature 0 take argmax_rows's index. One kernel on CUDA (plain temperature sampling);
   // the CPU draws each row's noise from a torch generator seeded by its key.
-  m.def("sample_rows(Tensor x, Tensor inv_temperature, Tensor keys) -> Tensor");
+  // floor (fp32 [rows], optional): a row draws only among columns with x * inv_temperature >=
+  // floor (the sampler's top-k / top-p / min-p threshold; -inf: all), in the same pass.
+  m.def("sample_rows(Tensor x, Tensor inv_temperature, Tensor keys, Tensor? floor=None) -> Tensor");
 
   // One-shot all-reduce over peer memory, CUDA only (csrc/cuda/allreduce_kernels.cu); called by
   // compilelm/distributed/custom_all_reduce.py, which owns the buffers: buffer_ptrs = every rank's

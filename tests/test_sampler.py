@@ -377,6 +377,42 @@ def test_sample_rows_cpu_kernel_is_its_reference_with_the_keyed_uniforms():
     uniform = torch.stack([torch.empty(1000).uniform_(generator=torch.Generator().manual_seed(k % 2**64))
                            for k in keys.tolist()])
     assert sample_rows(x, inv_t, keys).tolist() == sample_rows_ref(x, inv_t, uniform).tolist()
+    # a floor leaves the draw to the columns with x * inv_t >= floor: the draw on the masked logits
+    floor = torch.tensor([0.0, 0.5, 1.0, -float("inf"), 2.0, 1.5, 3.0, 2.5])
+    got = sample_rows(x, inv_t, keys, floor)
+    assert got.tolist() == sample_rows_ref(x, inv_t, uniform, floor).tolist()
+    masked = x.masked_fill(x * inv_t.unsqueeze(1) < floor.unsqueeze(1), float("-inf"))
+    sampled = inv_t > 0
+    assert got[sampled].tolist() == sample_rows(masked, inv_t, keys)[sampled].tolist()
+    assert (x[sampled].gather(1, got[sampled].unsqueeze(1)).squeeze(1) * inv_t[sampled] >= floor[sampled]).all()
+    assert got[~sampled].tolist() == x[~sampled].argmax(-1).tolist()  # greedy rows: no floor
+    torch.library.opcheck(torch.ops.compilelm.sample_rows.default, (x, inv_t, keys, floor))
+
+
+def test_filtered_rows_draw_what_the_masked_logits_draw():
+    """The sampler's filters as sample_rows' floor (filter_floor) draw what sample_rows draws on the
+    logits masked by apply_top_k_top_p_min_p, for rows of top-k, top-p, min-p and greedy, in bf16."""
+    from compilelm.ops import sample_rows
+    from compilelm.runtime.sampler import filter_floor, noise_keys, sample
+
+    vocab = 3000
+    x = (torch.randn(6, vocab, generator=torch.Generator().manual_seed(4)) * 3).bfloat16()
+    specs = [dict(temperature=0.7, top_k=20, top_p=0.9), dict(temperature=1.0, top_p=0.5),
+             dict(temperature=0.0), dict(temperature=1.3, min_p=0.2), dict(temperature=0.6, top_k=5),
+             dict(temperature=1.0, top_k=50, top_p=0.95, min_p=0.05)]
+    requests = [make_request(seed=10 + i, **kw) for i, kw in enumerate(specs)]
+    params = [r.sampling_params for r in requests]
+    inv_t = torch.tensor([0.0 if p.is_greedy else 1 / p.temperature for p in params])
+    k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+    top_p, min_p = torch.tensor([p.top_p for p in params]), torch.tensor([p.min_p for p in params])
+    keys = torch.tensor(noise_keys(requests))
+    floor = filter_floor(x, inv_t, k, top_p, min_p)
+    assert floor[2] == -float("inf")
+    scaled = x.float() * inv_t.unsqueeze(1)
+    masked = apply_top_k_top_p_min_p(scaled, k, top_p, min_p)
+    assert torch.equal(torch.isinf(masked[inv_t > 0]), (scaled < floor.unsqueeze(1))[inv_t > 0])
+    want = sample_rows(x.masked_fill(torch.isinf(masked) & (inv_t > 0).unsqueeze(1), float("-inf")), inv_t, keys)
+    assert sample(x, requests).tolist() == want.tolist()
 
 
 def test_seeded_plain_rows_draw_the_same_tokens_in_any_batch():
@@ -418,7 +454,7 @@ def test_filters_from_top_candidates_match_the_sort(ties):
 def test_cpu_top_p_from_nucleus_candidates_matches_the_sort(ties):
     """Top-p without top-k on the CPU: where every such row's nucleus lies in its top 1024 logits
     the thresholds come from them (the same tokens as the sort keeps), else the sort runs."""
-    from compilelm.runtime.sampler import _filter
+    from compilelm.runtime.sampler import _floor
 
     vocab = 20000
     g = torch.Generator().manual_seed(5)
@@ -429,10 +465,11 @@ def test_cpu_top_p_from_nucleus_candidates_matches_the_sort(ties):
     p = torch.tensor([0.9, 0.5, 0.95, 1.0, 0.99, 1.0])
     min_p = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.0])
     sort = apply_top_k_top_p_min_p(peaked, k, p, min_p, candidates=vocab)
-    nucleus = _filter(peaked, k, p, min_p, 1024, nucleus=True)
-    assert nucleus is not None and torch.equal(torch.isinf(nucleus), torch.isinf(sort))
+    ones = torch.ones(len(k))
+    floor = _floor(peaked, ones, k, p, min_p, 1024, nucleus=True)
+    assert floor is not None and torch.equal(peaked < floor.unsqueeze(1), torch.isinf(sort))
     assert torch.equal(torch.isinf(apply_top_k_top_p_min_p(peaked, k, p, min_p)), torch.isinf(sort))
     flat = torch.randn(6, vocab, generator=g) * 0.1  # the nucleus spans most of the vocabulary
-    assert _filter(flat, k, p, min_p, 1024, nucleus=True) is None
+    assert _floor(flat, ones, k, p, min_p, 1024, nucleus=True) is None
     assert torch.equal(apply_top_k_top_p_min_p(flat, k, p, min_p), apply_top_k_top_p_min_p(flat, k, p, min_p,
                                                                                           candidates=vocab))

@@ -2,7 +2,9 @@
 
 Order (vLLM's): logprobs from the raw logits -> min_tokens mask -> penalties -> greedy argmax, or
 temperature -> top-k -> top-p -> min-p -> a sample, drawn by sample_rows (the Gumbel-max trick:
-the exponential race's draw in one pass over the logits; one kernel on CUDA). A batch of plain rows
+the exponential race's draw in one pass over the logits; one kernel on CUDA). The filters become a
+threshold per row (from each row's top tokens, or a sort where top-p comes without top-k) that
+sample_rows applies as it reads the logits: no masked copy of the vocabulary. A batch of plain rows
 (greedy, or temperature alone: Request.plain_sample) goes straight to sample_rows, on the logits
 in their own dtype. Per-row parameters become
 tensors once per call (pinned host -> device, non-blocking: launching the sampler never waits for
@@ -99,16 +101,18 @@ class Sampler:
             # temperature sampling and argmax rows: one kernel over the logits in their dtype (CPU:
             # torch ops over keyed uniforms)
             return SampledTensors(sample_plain(logits, requests, positions), [], [])
-        logits = logits.float()  # everything else works in fp32, as vLLM's sampler does
+        # logprobs and penalties work in fp32, as vLLM's sampler does; the filters and the draw read
+        # the logits in their dtype (fp32 products of its values: the same draws)
         params = [r.sampling_params for r in requests]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = None
         if lp_rows:
-            raw_logprobs = torch.log_softmax(logits.index_select(0, _index(lp_rows, logits)), dim=-1)
+            raw_logprobs = torch.log_softmax(logits.index_select(0, _index(lp_rows, logits)).float(), dim=-1)
 
         logits = apply_min_tokens(logits, requests)
         pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
         if pen_rows:
+            logits = logits.float()
             pen, pen_index = [params[i] for i in pen_rows], _index(pen_rows, logits)
             penalized = apply_penalties(
                 logits.index_select(0, pen_index),
@@ -132,16 +136,16 @@ class Sampler:
 def sample_plain(logits: torch.Tensor, requests: list[Request], positions: list[int] | None = None) -> torch.Tensor:
     """Greedy and temperature-only rows (Request.plain_sample) through sample_rows, keyed by
     noise_keys; logits: [n, vocab] in any float dtype -> int64 [n]."""
-    params = [r.sampling_params for r in requests]
-    inv_t = _row_tensor([0.0 if p.is_greedy else 1.0 / p.temperature for p in params], logits)
+    inv_t = _row_tensor(_inv_temperatures(requests), logits)
     keys = _row_tensor(noise_keys(requests, positions), logits, torch.int64)
     return fused_sample_rows(logits, inv_t, keys)
 
 
 def sample(logits: torch.Tensor, requests: list[Request], positions: list[int] | None = None) -> torch.Tensor:
     """Greedy rows take the argmax; the others sample after temperature/top-k/top-p/min-p, through
-    sample_rows keyed by noise_keys (`positions` as there)."""
-    # logits: fp32 [num_reqs, vocab] -> int64 [num_reqs]
+    sample_rows keyed by noise_keys (`positions` as there): the filters become each row's floor
+    (filter_floor), which sample_rows applies as it reads the logits."""
+    # logits: [num_reqs, vocab], any float dtype -> int64 [num_reqs]
     params = [r.sampling_params for r in requests]
     if all(p.is_greedy for p in params):
         return argmax_rows(logits)
@@ -149,18 +153,20 @@ def sample(logits: torch.Tensor, requests: list[Request], positions: list[int] |
     # (k, p, min_p) a row filters by (vocab, 1, 0: off); greedy rows none (sample_rows: their argmax)
     filters = [(vocab, 1.0, 0.0) if p.is_greedy else (p.top_k if 0 < p.top_k < vocab else vocab, p.top_p, p.min_p)
                for p in params]
-    if any(f != (vocab, 1.0, 0.0) for f in filters):  # plain sampling (no filter) is the common case
-        # the filters read probabilities after the temperature; their -inf marks the tokens dropped
-        temperature = _row_tensor([1.0 if p.is_greedy else p.temperature for p in params], logits)
-        kept = apply_top_k_top_p_min_p(
-            logits / temperature.unsqueeze(1),
-            _row_tensor([f[0] for f in filters], logits, torch.int64),
-            _row_tensor([f[1] for f in filters], logits),
-            _row_tensor([f[2] for f in filters], logits),
-            candidates=filter_candidates(filters, vocab),
-        )
-        logits = logits.masked_fill(torch.isneginf(kept), float("-inf"))
-    return sample_plain(logits, requests, positions)
+    keys = noise_keys(requests, positions)
+    if all(f == (vocab, 1.0, 0.0) for f in filters):  # plain sampling (no filter) is the common case
+        return fused_sample_rows(logits, _row_tensor(_inv_temperatures(requests), logits),
+                                 _row_tensor(keys, logits, torch.int64))
+    # one host -> device copy per dtype: (inv_t, top-p, min-p) and (top-k, key) of every row
+    inv_t, top_p, min_p = _row_tensor([_inv_temperatures(requests), [f[1] for f in filters],
+                                       [f[2] for f in filters]], logits).unbind(0)
+    top_k, keys = _row_tensor([[f[0] for f in filters], keys], logits, torch.int64).unbind(0)
+    floor = filter_floor(logits, inv_t, top_k, top_p, min_p, candidates=filter_candidates(filters, vocab))
+    return fused_sample_rows(logits, inv_t, keys, floor)
+
+
+def _inv_temperatures(requests: list[Request]) -> list[float]:
+    return [0.0 if r.sampling_params.is_greedy else 1.0 / r.sampling_params.temperature for r in requests]
 
 
 def noise_keys(requests: list[Request], positions: list[int] | None = None) -> list[int]:
@@ -228,37 +234,49 @@ def apply_top_k_top_p_min_p(
     """
     # logits: fp32 [n, vocab]; k: int64 [n] in [1, vocab] (vocab = off);
     # p: fp32 [n] (1 = off); min_p: fp32 [n] (0 = off)
+    ones = torch.ones(logits.shape[0], dtype=torch.float32, device=logits.device)
+    floor = filter_floor(logits, ones, k, p, min_p, candidates)
+    return logits.masked_fill(logits < floor.unsqueeze(1), float("-inf"))
+
+
+def filter_floor(logits: torch.Tensor, inv_t: torch.Tensor, k: torch.Tensor, p: torch.Tensor, min_p: torch.Tensor,
+                 candidates: int | None = None) -> torch.Tensor:
+    """apply_top_k_top_p_min_p's thresholds over the probabilities softmax(logits * inv_t): a row
+    keeps the tokens with logits * inv_t (fp32) >= its floor (sample_rows' `floor`); -inf where
+    inv_t is 0 (greedy rows)."""
+    # logits: [n, vocab] any float dtype; inv_t: fp32 [n]; k, p, min_p as apply_top_k_top_p_min_p's
+    # -> fp32 [n]
     vocab = logits.shape[-1]
+    floor = None
     if candidates is None and not logits.is_cuda:  # the CPU looks at the top tokens before it sorts
         n = max(NUCLEUS_CANDIDATES, 2 * int(k.masked_fill(k >= vocab, 1).max()) + 64)
-        kept = _filter(logits, k, p, min_p, n, nucleus=True) if n < vocab and n <= TOP_K_CANDIDATES else None
-        if kept is not None:
-            return kept
-    return _filter(logits, k, p, min_p, candidates if candidates is not None and candidates < vocab else None)
+        if n < vocab and n <= TOP_K_CANDIDATES:
+            floor = _floor(logits, inv_t, k, p, min_p, n, nucleus=True)
+    if floor is None:
+        floor = _floor(logits, inv_t, k, p, min_p, candidates if candidates is not None and candidates < vocab else None)
+    return floor.masked_fill(inv_t == 0, float("-inf"))
 
 
 NUCLEUS_CANDIDATES = 1024  # the CPU's first look for a top-p set without top-k
 
 
-def _filter(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, min_p: torch.Tensor, n: int | None,
-            nucleus: bool = False) -> torch.Tensor | None:
-    """apply_top_k_top_p_min_p from each row's top `n` logits (None: the sorted vocabulary). With
-    `nucleus` a row with top-p and no top-k reads its probabilities over the whole row, and the
-    result is None (sort instead) where its nucleus is not among the n: on the CPU that check costs
-    nothing, on a GPU it would wait for the device, so CUDA never asks for it."""
+def _floor(logits: torch.Tensor, inv_t: torch.Tensor, k: torch.Tensor, p: torch.Tensor, min_p: torch.Tensor,
+           n: int | None, nucleus: bool = False) -> torch.Tensor | None:
+    """filter_floor from each row's top `n` logits (None: the sorted vocabulary). With `nucleus` a
+    row with top-p and no top-k reads its probabilities over the whole row, and the result is None
+    (sort instead) where its nucleus is not among the n: on the CPU that check costs nothing, on a
+    GPU it would wait for the device, so CUDA never asks for it."""
     vocab = logits.shape[-1]
-    if n is None:
-        desc = logits.sort(dim=-1, descending=True).values  # [rows, vocab]
-    else:
-        desc = logits.topk(n, dim=-1).values  # [rows, n], descending
+    top = logits.sort(dim=-1, descending=True).values if n is None else logits.topk(n, dim=-1).values
+    desc = top.float() * inv_t.unsqueeze(1)  # [rows, n or vocab], descending (inv_t >= 0)
     width = desc.shape[-1]
     k_off = k >= vocab  # no top-k
     kth = desc.gather(1, (k - 1).clamp(0, width - 1).unsqueeze(1))  # [rows, 1]
     kth = kth.masked_fill(k_off.unsqueeze(1), float("-inf"))
     desc = desc.masked_fill(desc < kth, float("-inf"))
     if nucleus:  # rows with top-k: mass after top-k (all of it among the n); without: the whole row's
-        norm = torch.where(k_off.unsqueeze(1), logits.logsumexp(dim=-1, keepdim=True),
-                           desc.logsumexp(dim=-1, keepdim=True))
+        whole = (logits.float() * inv_t.unsqueeze(1)).logsumexp(dim=-1, keepdim=True)
+        norm = torch.where(k_off.unsqueeze(1), whole, desc.logsumexp(dim=-1, keepdim=True))
         cum = (desc - norm).exp().cumsum(dim=-1)
         if not bool(((cum[:, -1] >= p) | ~(k_off & (p < 1.0))).all()):
             return None
@@ -268,8 +286,7 @@ def _filter(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, min_p: torch
     pth = desc.gather(1, num_below)  # smallest logit of the kept top-p set
     pth = pth.masked_fill(p.unsqueeze(1) >= 1.0, float("-inf"))  # p == 1 keeps all, exactly
     mth = desc[:, :1] + min_p.unsqueeze(1).log()  # prob >= min_p * max prob; log(0) = -inf
-    threshold = torch.maximum(torch.maximum(kth, pth), mth)
-    return logits.masked_fill(logits < threshold, float("-inf"))
+    return torch.maximum(torch.maximum(kth, pth), mth).squeeze(1)
 
 
 def apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -288,7 +305,7 @@ def apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
     if not rows:
         return logits
     index = (_index(rows, logits), _index(cols, logits))
-    return logits.index_put(index, torch.full((), float("-inf"), device=logits.device))
+    return logits.index_put(index, torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device))
 
 
 def apply_penalties(

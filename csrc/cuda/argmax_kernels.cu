@@ -4,7 +4,8 @@
 // row's 64-bit key, counter = column / 4): the argmax of x / T + Gumbel noise is a sample from
 // softmax(x / T) (the Gumbel-max trick, the exponential race of vLLM's sampler in one pass over
 // the logits, without the fp32 copy, the softmax or a noise tensor). Rows with inv_temperature 0
-// take the plain argmax.
+// take the plain argmax. With a floor, a sampled row's columns with x * inv_temperature below its
+// floor are out of the draw (the sampler's top-k / top-p / min-p filters, without a masked copy).
 //
 // Block (chunk, row) reduces a chunk of its row's columns to (value, index); with more than one
 // chunk it writes that partial, counts its arrival in the row's counter, and the last block of
@@ -76,6 +77,7 @@ struct ArgmaxParams {
   int64_t* out;          // [rows]
   const float* inv_temperature = nullptr;  // sample_rows: fp32 [rows], 0 = the row's argmax
   const int64_t* keys = nullptr;           // sample_rows: [rows], each row's Philox key
+  const float* floor = nullptr;            // sample_rows: fp32 [rows] or null, the draw's threshold
 };
 
 // The 32 random bits of column c under `key`: word c % 4 of Philox counter (c / 4, 0, 0, 0).
@@ -95,6 +97,12 @@ __device__ __forceinline__ float gumbel_key(float x, float scale, uint32_t bits)
   return x * scale - __log2f(-log2f(uniform_open(bits)));
 }
 
+// A sampled column's key, or -inf where x * inv_t (rounded as torch's fp32 product) is below the
+// row's floor (always, the filters keep the row's maximum, so some column stays in the draw).
+__device__ __forceinline__ float draw_key(float x, float scale, uint32_t bits, float inv_t, float floor) {
+  return x * inv_t < floor ? -INFINITY : gumbel_key(x, scale, bits);
+}
+
 template <typename T, int kVec, bool kSample>
 __global__ void __launch_bounds__(kThreads) argmax_rows_kernel(const ArgmaxParams p) {
   __shared__ bool s_last;
@@ -102,8 +110,10 @@ __global__ void __launch_bounds__(kThreads) argmax_rows_kernel(const ArgmaxParam
   wait_for_prior_kernels();  // PDL (launch.cuh): before any read of earlier kernels' outputs
   allow_dependent_kernels();
   constexpr float kLog2e = 1.4426950408889634f;
-  const float scale = kSample ? p.inv_temperature[row] * kLog2e : 0.f;
+  const float inv_t = kSample ? p.inv_temperature[row] : 0.f;
+  const float scale = inv_t * kLog2e;
   const bool noisy = kSample && scale > 0.f;  // the same for the whole row
+  const float floor = noisy && p.floor != nullptr ? p.floor[row] : -INFINITY;
   const uint64_t key = noisy ? static_cast<uint64_t>(p.keys[row]) : 0;
   const T* x = static_cast<const T*>(p.x) + row * p.row_stride;
   const int span = p.chunks == 1 ? p.vocab : p.chunk_cols;  // one chunk: the whole row
@@ -126,7 +136,7 @@ __global__ void __launch_bounds__(kThreads) argmax_rows_kernel(const ArgmaxParam
 #pragma unroll
       for (int i = 0; i < kVec; ++i) {  // (in index order: a tie keeps the first)
         const float value = to_float(values.v[i]);
-        const Best here{noisy ? gumbel_key(value, scale, bits[i]) : value, v + i};
+        const Best here{noisy ? draw_key(value, scale, bits[i], inv_t, floor) : value, v + i};
         if (beats(here, best)) best = here;
       }
     }
@@ -134,7 +144,7 @@ __global__ void __launch_bounds__(kThreads) argmax_rows_kernel(const ArgmaxParam
   }
   for (c += threadIdx.x; c < end; c += kThreads) {
     const float value = to_float(x[c]);
-    const Best here{noisy ? gumbel_key(value, scale, word(column_bits(key, c), c % 4)) : value, c};
+    const Best here{noisy ? draw_key(value, scale, word(column_bits(key, c), c % 4), inv_t, floor) : value, c};
     if (beats(here, best)) best = here;
   }
   best = block_best(best);
@@ -186,7 +196,7 @@ void launch_rows(const ArgmaxParams& p, const dim3& grid, bool vec, at::ScalarTy
 
 // argmax_rows_into, or (inv_temperature and keys given) sample_rows into out.
 void rows_into(const at::Tensor& x, const at::Tensor& out, const at::Tensor* inv_temperature = nullptr,
-               const at::Tensor* keys = nullptr) {
+               const at::Tensor* keys = nullptr, const at::Tensor* floor = nullptr) {
   const char* name = inv_temperature != nullptr ? "sample_rows" : "argmax_rows";
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1, name,
               ": x must be a CUDA tensor [rows, vocab] (vocab > 0, columns contiguous), got ", x.sizes(),
@@ -208,6 +218,13 @@ void rows_into(const at::Tensor& x, const at::Tensor& out, const at::Tensor* inv
                     k.stride(0) == 1,
                 "sample_rows: keys must be int64 [", x.size(0), "] contiguous on ", x.device(), ", got ", k.sizes(), " ",
                 k.scalar_type(), " on ", k.device());
+    if (floor != nullptr) {
+      const at::Tensor& f = *floor;
+      TORCH_CHECK(f.device() == x.device() && f.scalar_type() == at::kFloat && f.dim() == 1 &&
+                      f.size(0) == x.size(0) && f.stride(0) == 1,
+                  "sample_rows: floor must be float32 [", x.size(0), "] contiguous on ", x.device(), ", got ",
+                  f.sizes(), " ", f.scalar_type(), " on ", f.device());
+    }
   }
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0);
@@ -225,6 +242,7 @@ void rows_into(const at::Tensor& x, const at::Tensor& out, const at::Tensor* inv
   if (inv_temperature != nullptr) {
     p.inv_temperature = inv_temperature->data_ptr<float>();
     p.keys = keys->data_ptr<int64_t>();
+    if (floor != nullptr) p.floor = floor->data_ptr<float>();
   }
   const int chunks = static_cast<int>((x.size(1) + chunk_cols - 1) / chunk_cols);
   at::Tensor workspace;
@@ -255,9 +273,10 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
-at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& inv_temperature, const at::Tensor& keys) {
+at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& inv_temperature, const at::Tensor& keys,
+                       const std::optional<at::Tensor>& floor) {
   at::Tensor out = at::empty({x.dim() == 2 ? x.size(0) : 0}, x.options().dtype(at::kLong));
-  rows_into(x, out, &inv_temperature, &keys);
+  rows_into(x, out, &inv_temperature, &keys, floor.has_value() ? &*floor : nullptr);
   return out;
 }
 

@@ -142,7 +142,8 @@ at::Tensor fp8_stream_mm(const at::Tensor& x, const std::optional<at::Tensor>& x
 
 // argmax_kernels.cu
 at::Tensor argmax_rows(const at::Tensor& x);
-at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& inv_temperature, const at::Tensor& keys);
+at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& inv_temperature, const at::Tensor& keys,
+                       const std::optional<at::Tensor>& floor);
 void argmax_rows_into(const at::Tensor& x, const at::Tensor& out);  // out: int64 [rows]; a helper
 
 // allreduce_kernels.cu

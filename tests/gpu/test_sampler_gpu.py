@@ -137,6 +137,30 @@ def test_sample_rows_argmax_rows_keys_and_load_widths():
     assert torch.equal(sample_rows(y.float(), t64, keys(64)), same)
     assert torch.equal(sample_rows(y[5:8].contiguous(), t64[:3], keys(64)[5:8]), same[5:8])
     torch.library.opcheck(torch.ops.compilelm.sample_rows.default, (y[:4].contiguous(), t64[:4], keys(4)))
+    # a floor: the draw on the logits masked below it (x * inv_t < floor), in the same pass
+    floor = torch.linspace(0.0, 3.0, 64, device="cuda")
+    got = sample_rows(y, t64, keys(64), floor)
+    masked = y.masked_fill(y.float() * t64.unsqueeze(1) < floor.unsqueeze(1), float("-inf"))
+    assert torch.equal(got, sample_rows(masked, t64, keys(64)))
+    assert (y.float().gather(1, got.unsqueeze(1)).squeeze(1) * t64 >= floor).all()
+    torch.library.opcheck(torch.ops.compilelm.sample_rows.default, (y[:4].contiguous(), t64[:4], keys(4), floor[:4]))
+
+
+def test_sampler_top_k_top_p_rows_follow_the_renormalized_softmax():
+    """Top-k and top-p rows (bf16 logits: the floor from each row's top tokens, sample_rows reads
+    the logits once) draw at the frequencies of the kept tokens' renormalized softmax; min-p too."""
+    vocab, n = 151936, 4000
+    base = torch.full((vocab,), -30.0)
+    hot = [7, 70000, 151935, 300]
+    base[hot] = torch.tensor([1.0, 0.6, 0.2, -2.0])
+    x = base.to(torch.bfloat16).cuda().expand(n, -1).contiguous()
+    for kw, kept in ((dict(top_k=2), hot[:2]), (dict(top_k=20, top_p=0.7), hot[:2]), (dict(top_p=0.9), hot[:3]),
+                     (dict(min_p=0.3), hot[:3])):
+        reqs = [Request(str(i), [1], SamplingParams(temperature=1.0, **kw)) for i in range(n)]
+        tokens = Sampler().sample_tensors(x.clone(), reqs).token_ids.cpu()
+        assert set(tokens.tolist()) <= set(kept), kw
+        want = torch.softmax(x[0, kept].double().cpu(), -1)
+        torch.testing.assert_close(frequencies(tokens, kept), want, atol=0.04, rtol=0)
 
 
 def test_sampler_takes_the_one_kernel_path_for_plain_rows():
