@@ -253,7 +253,8 @@ def filter_floor(logits: torch.Tensor, inv_t: torch.Tensor, k: torch.Tensor, p: 
         if n < vocab and n <= TOP_K_CANDIDATES:
             floor = _floor(logits, inv_t, k, p, min_p, n, nucleus=True)
     if floor is None:
-        floor = _floor(logits, inv_t, k, p, min_p, candidates if candidates is not None and candidates < vocab else None)
+        n = candidates if candidates is not None and candidates < vocab else None
+        floor = _floor(logits, inv_t, k, p, min_p, n)
     return floor.masked_fill(inv_t == 0, float("-inf"))
 
 
