@@ -63,6 +63,14 @@ static_assert(smem_bytes<__nv_fp8_e4m3, 64>() >= kWarps * kRows * 64 * 4, "the w
 
 __device__ __forceinline__ uint32_t load_pair(const void* ptr) { return *static_cast<const uint32_t*>(ptr); }
 
+// The low / high two e4m3 codes of a register as one f16x2 register (exact).
+__device__ __forceinline__ uint32_t widen_low(uint32_t codes) {
+  return fp8x2_to_half2_bits(static_cast<uint16_t>(codes & 0xffffu));
+}
+__device__ __forceinline__ uint32_t widen_high(uint32_t codes) {
+  return fp8x2_to_half2_bits(static_cast<uint16_t>(codes >> 16));
+}
+
 // Two query elements as one register of the products' type Op (the low element first): as they
 // are, or (FP8 caches, bf16 queries) rounded to fp16, clamped to its finite range.
 template <typename Op, typename T>
@@ -207,9 +215,7 @@ __global__ void __launch_bounds__(kWarps * 32)
         for (int c = 0; c < 2; ++c) {
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt) {
-            const uint32_t codes = r[2 * c + nt];
-            mma<Op>(sc[nt], q_frag[2 * t + c], fp8x2_to_half2_bits(static_cast<uint16_t>(codes & 0xffffu)),
-                    fp8x2_to_half2_bits(static_cast<uint16_t>(codes >> 16)));
+            mma<Op>(sc[nt], q_frag[2 * t + c], widen_low(r[2 * c + nt]), widen_high(r[2 * c + nt]));
           }
         }
       }
@@ -250,10 +256,8 @@ __global__ void __launch_bounds__(kWarps * 32)
         for (int c = 0; c < 2; ++c) {
           const uint32_t lo = __byte_perm(r[2 * c], 0, 0x3120), hi = __byte_perm(r[2 * c + 1], 0, 0x3120);
           const int chunk = 2 * t + c;
-          mma<Op>(o[2 * chunk], a, fp8x2_to_half2_bits(static_cast<uint16_t>(lo & 0xffffu)),
-                  fp8x2_to_half2_bits(static_cast<uint16_t>(hi & 0xffffu)));
-          mma<Op>(o[2 * chunk + 1], a, fp8x2_to_half2_bits(static_cast<uint16_t>(lo >> 16)),
-                  fp8x2_to_half2_bits(static_cast<uint16_t>(hi >> 16)));
+          mma<Op>(o[2 * chunk], a, widen_low(lo), widen_low(hi));
+          mma<Op>(o[2 * chunk + 1], a, widen_high(lo), widen_high(hi));
         }
       }
     } else {
