@@ -17,6 +17,8 @@ or on async scheduling.
 
 from __future__ import annotations
 
+import array
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -374,12 +376,24 @@ def _token_counts(token_ids: list[list[int]], n: int, vocab: int, device) -> tor
     return counts
 
 
+_ARRAY_CODES = {torch.float32: "f", torch.int64: "q"}
+
+
 def _row_tensor(values: list, like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """A host list on `like`'s device; to a GPU through pinned memory without waiting for it
-    (a plain `torch.tensor(..., device='cuda')` synchronizes the stream)."""
+    """A host list (or a list of equal-length lists: a 2-D tensor) on `like`'s device; to a GPU
+    through pinned memory without waiting for it (a plain `torch.tensor(..., device='cuda')`
+    synchronizes the stream). Built through a packed array: a third of torch.tensor's time on a
+    list of Python numbers."""
+    rows = len(values) if values and isinstance(values[0], list) else None
+    packed = array.array(_ARRAY_CODES[dtype], itertools.chain.from_iterable(values) if rows is not None else values)
+    if not packed:
+        host = torch.tensor(values, dtype=dtype)
+    else:
+        host = torch.frombuffer(packed, dtype=dtype)
+        host = host.view(rows, -1) if rows is not None else host
     if like.device.type == "cpu":
-        return torch.tensor(values, dtype=dtype)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(like.device, non_blocking=True)
+        return host
+    return host.pin_memory().to(like.device, non_blocking=True)
 
 
 def _index(values: list[int], like: torch.Tensor) -> torch.Tensor:
