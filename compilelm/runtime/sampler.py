@@ -112,7 +112,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits.index_select(0, _index(lp_rows, logits)).float(), dim=-1)
 
         logits = apply_min_tokens(logits, requests)
-        pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
+        pen_rows = [i for i, r in enumerate(requests) if r.has_penalties]
         if pen_rows:
             logits = logits.float()
             pen, pen_index = [params[i] for i in pen_rows], _index(pen_rows, logits)
@@ -148,13 +148,11 @@ def sample(logits: torch.Tensor, requests: list[Request], positions: list[int] |
     sample_rows keyed by noise_keys (`positions` as there): the filters become each row's floor
     (filter_floor), which sample_rows applies as it reads the logits."""
     # logits: [num_reqs, vocab], any float dtype -> int64 [num_reqs]
-    params = [r.sampling_params for r in requests]
-    if all(p.is_greedy for p in params):
+    if all(r.inv_temperature == 0.0 for r in requests):
         return argmax_rows(logits)
     vocab = logits.shape[-1]
     # (k, p, min_p) a row filters by (vocab, 1, 0: off); greedy rows none (sample_rows: their argmax)
-    filters = [(vocab, 1.0, 0.0) if p.is_greedy else (p.top_k if 0 < p.top_k < vocab else vocab, p.top_p, p.min_p)
-               for p in params]
+    filters = [(k if 0 < k < vocab else vocab, top_p, min_p) for k, top_p, min_p in (r.filters for r in requests)]
     keys = noise_keys(requests, positions)
     if all(f == (vocab, 1.0, 0.0) for f in filters):  # plain sampling (no filter) is the common case
         return fused_sample_rows(logits, _row_tensor(_inv_temperatures(requests), logits),
@@ -168,7 +166,7 @@ def sample(logits: torch.Tensor, requests: list[Request], positions: list[int] |
 
 
 def _inv_temperatures(requests: list[Request]) -> list[float]:
-    return [0.0 if r.sampling_params.is_greedy else 1.0 / r.sampling_params.temperature for r in requests]
+    return [r.inv_temperature for r in requests]
 
 
 def noise_keys(requests: list[Request], positions: list[int] | None = None) -> list[int]:
@@ -297,9 +295,9 @@ def apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
     rows: list[int] = []
     cols: list[int] = []
     for i, r in enumerate(requests):
-        p = r.sampling_params
-        if r.num_output_tokens >= p.min_tokens:
+        if not r.min_tokens or r.num_output_tokens >= r.min_tokens:
             continue
+        p = r.sampling_params
         stop_ids = set(p.stop_token_ids)
         if r.eos_token_id is not None and not p.ignore_eos:
             stop_ids.add(r.eos_token_id)
