@@ -71,18 +71,18 @@ class Request:
                                 and not sampling_params.logits_processors)
         # ... and no grammar either: every rank can take the argmax of the same logits (TP)
         self.plain_greedy = self.argmax_only and sampling_params.structured_outputs is None
-        # greedy, or sampled from the temperature alone (no top-k/top-p/min-p), with nothing after
-        # the logits processors and a grammar's mask that reads or edits the row: the sampler's
-        # one-kernel path (compilelm/ops/sampling.py, sample_rows)
-        p = sampling_params
-        self.plain_sample = bool(p.logprobs is None and not p.has_penalties and not p.min_tokens and (
-            p.is_greedy or (p.top_k in (0, -1) and p.top_p >= 1.0 and p.min_p <= 0.0)))
         # the sampler's per-row constants, read every step: 1 / temperature (0: greedy), the filters
         # (top-k: 0 = off, top-p, min-p; none for greedy rows), penalties, min_tokens
+        p = sampling_params
         self.inv_temperature = 0.0 if p.is_greedy else 1.0 / p.temperature
         self.filters = (0, 1.0, 0.0) if p.is_greedy else (max(p.top_k, 0), p.top_p, p.min_p)
         self.has_penalties = p.has_penalties
         self.min_tokens = p.min_tokens
+        # greedy, or sampled from the temperature alone (no top-k/top-p/min-p), with nothing after
+        # the logits processors and a grammar's mask that reads or edits the row: the sampler's
+        # one-kernel path (compilelm/ops/sampling.py, sample_rows)
+        self.plain_sample = bool(p.logprobs is None and not self.has_penalties and not self.min_tokens
+                                 and self.filters == (0, 1.0, 0.0))
         # the RequestGrammar of a structured output (set by the engine), advanced by each sampled token
         self.grammar = None
 

@@ -153,14 +153,13 @@ def sample(logits: torch.Tensor, requests: list[Request], positions: list[int] |
     vocab = logits.shape[-1]
     # (k, p, min_p) a row filters by (vocab, 1, 0: off); greedy rows none (sample_rows: their argmax)
     filters = [(k if 0 < k < vocab else vocab, top_p, min_p) for k, top_p, min_p in (r.filters for r in requests)]
-    keys = noise_keys(requests, positions)
     if all(f == (vocab, 1.0, 0.0) for f in filters):  # plain sampling (no filter) is the common case
-        return fused_sample_rows(logits, _row_tensor(_inv_temperatures(requests), logits),
-                                 _row_tensor(keys, logits, torch.int64))
+        return sample_plain(logits, requests, positions)
     # one host -> device copy per dtype: (inv_t, top-p, min-p) and (top-k, key) of every row
     inv_t, top_p, min_p = _row_tensor([_inv_temperatures(requests), [f[1] for f in filters],
                                        [f[2] for f in filters]], logits).unbind(0)
-    top_k, keys = _row_tensor([[f[0] for f in filters], keys], logits, torch.int64).unbind(0)
+    top_k, keys = _row_tensor([[f[0] for f in filters], noise_keys(requests, positions)], logits,
+                              torch.int64).unbind(0)
     floor = filter_floor(logits, inv_t, top_k, top_p, min_p, candidates=filter_candidates(filters, vocab))
     return fused_sample_rows(logits, inv_t, keys, floor)
 
