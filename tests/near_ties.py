@@ -35,3 +35,33 @@ def assert_parts_only_at_near_ties(ref_llm, prompts: list[list[int]], got: list[
         assert abs(margin) < bound, f"prompt {k} parts at token {i} by {margin:.4f} (near-tie bound {bound:.4f})"
         parted.append((k, i, margin))
     return parted
+
+
+def assert_parts_only_at_decode_near_ties(ref_llm, prompts: list[list[int]], got: list[list[int]],
+                                          want: list[list[int]], want_logprobs: list[list[dict]],
+                                          rel: float = 0.1, agree: float = 0.75) -> list[tuple[int, int, float]]:
+    """As `assert_parts_only_at_near_ties`, for runs with an fp8 KV cache: the margin at a parting
+    is the one the reference run's own decode saw (its top logprobs at that step, `want_logprobs`
+    [prompt][step] -> {token: Logprob}; logprob differences are logit differences). A prefill of
+    the prefix quantizes other bf16 values into the cache (another GEMM's rounding), which moves a
+    margin by more than a near-tie. The decode path is checked against the prefill path instead,
+    at every step: the reference's logprob of its token within `agree` of the prefill's (a wrong
+    decode kernel or scale is off by far more; the same wrong kernel in both runs would agree)."""
+    from benchmarks.bench_fp8_accuracy import forward_logits
+
+    parted = []
+    for k, (prompt, g, w, lps) in enumerate(zip(prompts, got, want, want_logprobs, strict=True)):
+        assert len(g) == len(w) == len(lps), (k, len(g), len(w), len(lps))
+        for i, token in enumerate(w):
+            logits = forward_logits(ref_llm, list(prompt) + list(w[:i]))[-1]
+            prefill = torch.log_softmax(logits, -1)[token].item()
+            assert abs(lps[i][token].logprob - prefill) < agree, (
+                f"prompt {k} token {i}: decode logprob {lps[i][token].logprob:.4f}, prefill {prefill:.4f}")
+            if i == first_difference(g, w):
+                assert g[i] in lps[i], f"prompt {k} parts at token {i} to {g[i]}, not among {sorted(lps[i])}"
+                margin = lps[i][token].logprob - lps[i][g[i]].logprob
+                bound = rel * logits.abs().max().item()
+                assert abs(margin) < bound, f"prompt {k} parts at token {i} by {margin:.4f} (bound {bound:.4f})"
+                parted.append((k, i, margin))
+                break
+    return parted

@@ -265,11 +265,12 @@ def test_engine_bf16_fp8_kv_graphs_and_eager_agree(tmp_path, decode_kernel):
     """bf16 (the served dtype: Triton prefill, the fp8 decode kernel, the QKV fallback) compiled +
     graphs vs eager: the same kernels on the same K/V; compiled bf16 rounds otherwise than eager,
     and e4m3's 3 mantissa bits make a last-bit change of a cached value a code (up to 1/16 of it),
-    so the streams may part, each only where eager's logits are within 10% of the largest one
-    (tests/near_ties.py; a wrong scale or kernel parts by far more)."""
+    so the streams may part, each only where eager's own decode saw logits within 10% of the
+    largest one; eager's decode logprobs follow a prefill of the same tokens at every step
+    (tests/near_ties.py; a wrong scale or kernel is off by far more)."""
     from compilelm import LLM, SamplingParams
     from tests.gpu.test_engine_gpu import build_hf_model, prompts
-    from tests.near_ties import assert_parts_only_at_near_ties
+    from tests.near_ties import assert_parts_only_at_decode_near_ties
     build_hf_model("llama3_wide", tmp_path / "model")
     out = {}
     for name, kw in (("graphs", dict(compilation_config={"cache_dir": str(tmp_path / "cache"),
@@ -278,11 +279,15 @@ def test_engine_bf16_fp8_kv_graphs_and_eager_agree(tmp_path, decode_kernel):
         llm = LLM(model=str(tmp_path / "model"), dtype="bfloat16", device="cuda", max_model_len=256, max_num_seqs=8,
                   max_num_batched_tokens=64, kv_cache_dtype="fp8", **kw)
         assert next(iter(llm.engine.model_runner.kv_caches.values()))[0].dtype == FP8
-        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-        out[name] = [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
+        # eager's top logprobs: the margins its decode saw (graphs: the in-graph argmax, no logprobs)
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                                logprobs=20 if name == "eager" else None)
+        out[name] = [o.outputs[0] for o in llm.generate(prompts(), params, use_tqdm=False)]
         if name == "graphs":
             del llm
             gc.collect()
             torch.cuda.empty_cache()
     print("parted (prompt, token, margin):",
-          assert_parts_only_at_near_ties(llm, prompts(), out["graphs"], out["eager"], rel=0.1))
+          assert_parts_only_at_decode_near_ties(llm, prompts(), [o.token_ids for o in out["graphs"]],
+                                                [o.token_ids for o in out["eager"]],
+                                                [o.logprobs for o in out["eager"]], rel=0.1))
