@@ -13,7 +13,11 @@ offline `LLM.generate` with token-id prompts, `ignore_eos` and no detokenization
   (no prefix-cache hits), best of `--repeat`;
 - offline throughput in output tok/s on two mixes: nano-vllm's (256 requests, prompt and output
   lengths uniform in 100-1024, temperature 0.6) and long prompts / short outputs (prompts
-  1000-4000, outputs 50-300).
+  1000-4000, outputs 50-300);
+- online latency at each `--online RATE` (requests/s, Poisson arrivals; 200 requests, prompts
+  200-1000, outputs 50-200 tokens, greedy), through the engine's own add_request/step loop, the
+  same loop for both engines: TTFT (arrival -> first token, queueing included) and ITL (time
+  between a stream's tokens) p50 / p99 in ms.
 
 Random weights: compilelm's `dummy:<preset>`; vLLM's `load_format="dummy"` over a folder holding
 only that preset's config.json. The prompts of both engines come from the same seeds.
@@ -40,6 +44,8 @@ MIXES = {"nano-vllm": dict(n=256, prompt=(100, 1024), output=(100, 1024), temper
          "long-prompt": dict(n=128, prompt=(1000, 4000), output=(50, 300), temperature=0.6)}
 SMALL_MIXES = {"nano-vllm": dict(n=6, prompt=(4, 24), output=(4, 12), temperature=0.6),
                "long-prompt": dict(n=4, prompt=(24, 48), output=(2, 6), temperature=0.6)}
+ONLINE = dict(n=200, prompt=(200, 1000), output=(50, 200))
+SMALL_ONLINE = dict(n=6, prompt=(4, 24), output=(3, 6))
 
 
 def token_prompts(n: int, lengths: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
@@ -71,6 +77,14 @@ class CompilelmEngine:
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
+    def add(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
+        self.llm.engine.add_request(request_id, prompt, self.sp(temperature=0.0, max_tokens=max_tokens,
+                                                                ignore_eos=True))
+
+    def step(self) -> list[tuple[str, int, bool]]:
+        """One engine step: (request id, tokens so far, finished) of each request it advanced."""
+        return [(o.request_id, len(o.outputs[0].token_ids), o.finished) for o in self.llm.engine.step()]
+
 
 class VllmEngine:
     def __init__(self, model: str, args):
@@ -101,6 +115,14 @@ class VllmEngine:
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
+    def add(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
+        self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": prompt},
+                                        self.sp(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                                detokenize=False))
+
+    def step(self) -> list[tuple[str, int, bool]]:
+        return [(o.request_id, len(o.outputs[0].token_ids), o.finished) for o in self.llm.llm_engine.step()]
+
 
 def quantization(args) -> str | None:
     """Both engines' `quantization`: None (the model's dtype) or "fp8" (dynamic W8A8 linears)."""
@@ -125,6 +147,55 @@ def timed(engine, prompts, max_tokens, temperature=0.0) -> tuple[float, int]:
     tokens = engine.generate(prompts, max_tokens, temperature)
     sync()
     return time.perf_counter() - t0, tokens
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) of `values`, linearly interpolated."""
+    v = sorted(values)
+    i = (len(v) - 1) * q / 100
+    lo = int(i)
+    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (i - lo)
+
+
+def online(engine, prompts: list[list[int]], max_tokens: list[int], rate: float, seed: int) -> dict:
+    """Requests arriving at `rate` per second (Poisson), served by the engine's step loop: TTFT
+    (arrival -> the step that returns its first token, queueing included) and ITL (the gaps
+    between a stream's tokens; a step returning k tokens counts k gaps of 1/k of its gap) in ms."""
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    for _ in prompts:
+        t += rng.expovariate(rate)
+        arrivals.append(t)
+    ttft, itl = [], []
+    seen, last = {}, {}  # unfinished requests by index: tokens so far, time of the last
+    nxt, done = 0, 0
+    t0 = time.perf_counter()
+    while done < len(prompts):
+        now = time.perf_counter() - t0
+        while nxt < len(prompts) and arrivals[nxt] <= now:
+            engine.add(f"online{nxt}.", prompts[nxt], max_tokens[nxt])  # (an engine may suffix the id)
+            seen[nxt], nxt = 0, nxt + 1
+        if not seen:  # idle until the next arrival
+            time.sleep(max(0.0, arrivals[nxt] - now))
+            continue
+        outs = engine.step()
+        now = time.perf_counter() - t0
+        for request_id, tokens, finished in outs:
+            rid = int(request_id[len("online"):request_id.index(".")])
+            new = tokens - seen[rid]
+            if new > 0:
+                if seen[rid] == 0:
+                    ttft.append(now - arrivals[rid])
+                else:
+                    itl.extend([(now - last[rid]) / new] * new)
+                seen[rid], last[rid] = tokens, now
+            if finished:
+                done += 1
+                del seen[rid]
+                last.pop(rid, None)
+    ms = 1e3
+    return {"ttft_ms_p50": percentile(ttft, 50) * ms, "ttft_ms_p99": percentile(ttft, 99) * ms,
+            "itl_ms_p50": percentile(itl, 50) * ms, "itl_ms_p99": percentile(itl, 99) * ms}
 
 
 def measure(engine_name: str, model: str, args, started: float) -> dict:
@@ -156,6 +227,12 @@ def measure(engine_name: str, model: str, args, started: float) -> dict:
         lens = [rng.randint(*mix["output"]) for _ in prompts]
         wall, tokens = timed(engine, prompts, lens, mix["temperature"])
         out[f"throughput_tok_s {name}"] = tokens / wall
+    spec = SMALL_ONLINE if args.small else ONLINE
+    for rate in args.online:
+        prompts = token_prompts(spec["n"], spec["prompt"], vocab, next(seed))
+        lens = [rng.randint(*spec["output"]) for _ in prompts]
+        for k, v in online(engine, prompts, lens, rate, seed=11).items():
+            out[f"{k} r{rate:g}"] = v
     return out
 
 
@@ -194,7 +271,7 @@ def ratios(rows: list[dict]) -> list[dict]:
         for metric in [k for k in ours if k not in ("engine", "model", "error", "kv_cache_dtype",
                                                     "quantization", "tensor_parallel_size")]:
             a, b = ours[metric], peer.get(metric)
-            lower_is_better = metric.startswith(("decode_ms", "start_s"))
+            lower_is_better = metric.startswith(("decode_ms", "start_s", "ttft_ms", "itl_ms"))
             settings = metric in ("max_num_batched_tokens", "max_num_seqs")  # each engine's own: what ran
             adv = None if b is None or settings else (b / a if lower_is_better else a / b)
             table.append({"model": model, "metric": metric, "compilelm": a, "vllm": b, "compilelm_advantage": adv})
@@ -212,6 +289,8 @@ def parse(argv=None):
     ap.add_argument("--prefill", nargs="+", default=["16x2000", "4x8000"], help="NxLENGTH prompt batches")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--mixes", nargs="*", choices=list(MIXES), default=list(MIXES), help="offline throughput mixes")
+    ap.add_argument("--online", type=float, nargs="*", default=[], metavar="RATE",
+                    help="online latency at these request rates (requests/s)")
     ap.add_argument("--max-model-len", type=int, default=16384 + 128)
     ap.add_argument("--layers", type=int, default=None, help="cut every model to this many layers")
     ap.add_argument("--small", action="store_true", help="tiny mixes (CPU smoke test)")

@@ -192,13 +192,15 @@ def test_vs_vllm_runs_compilelm_alone_where_vllm_is_absent(tmp_path):
     out = tmp_path / "bench_vs_vllm.json"
     payload = bench_vs_vllm.main(["--models", "dummy:smollm2-135m", "--layers", "2", "--small", "--enforce-eager",
                                   "--decode", "1x16", "2x16", "--decode-steps", "2", "6",
-                                  "--prefill", "2x16", "--repeat", "1", "--max-model-len", "128",
+                                  "--prefill", "2x16", "--repeat", "1", "--max-model-len", "128", "--online", "50",
                                   "--vllm-site", str(tmp_path / "no_vllm"), "--out", str(out)])
     (row,) = payload["rows"]
     assert payload["vllm"] is False and row["engine"] == "compilelm" and "error" not in row
     metrics = {"start_s", "decode_ms b1 c16", "decode_ms b2 c16", "prefill_tok_s 2x16",
-               "throughput_tok_s nano-vllm", "throughput_tok_s long-prompt"}
+               "throughput_tok_s nano-vllm", "throughput_tok_s long-prompt",
+               "ttft_ms_p50 r50", "ttft_ms_p99 r50", "itl_ms_p50 r50", "itl_ms_p99 r50"}
     assert metrics <= set(row) and all(row[m] > 0 for m in metrics)
+    assert row["ttft_ms_p50 r50"] <= row["ttft_ms_p99 r50"] and row["itl_ms_p50 r50"] <= row["itl_ms_p99 r50"]
     # the step limits each engine ran with are reported (on the CPU: 2048 tokens, 256 sequences)
     assert (row["max_num_batched_tokens"], row["max_num_seqs"]) == (2048, 256)
     assert {r["metric"] for r in payload["ratios"]} == metrics | {"max_num_batched_tokens", "max_num_seqs"}
@@ -264,3 +266,49 @@ def test_profile_masks_fills_agree(tmp_path):
     assert set(payload["results"]) == {"per row", "executor", "mask thread", "accept", "one row"}
     assert all(r["median_us"] > 0 for r in payload["results"].values())
     assert json.loads((tmp_path / "pm.json").read_text())["benchmark"] == "profile_masks"
+
+
+def test_vs_vllm_online_latency_against_a_hand_timed_engine(monkeypatch):
+    """online(): TTFT counts from the request's (Poisson) arrival, queueing included; ITL is the gap
+    between a stream's tokens, split evenly where one step returns several. A fake engine whose
+    steps take a known time and return tokens on a known schedule gives the expected numbers."""
+    clock = [0.0]
+    monkeypatch.setattr(bench_vs_vllm.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(bench_vs_vllm.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+
+    class Engine:  # every step takes 10 ms; a request's first step returns 1 token, the next ones 2
+        def __init__(self):
+            self.reqs = {}
+
+        def add(self, request_id, prompt, max_tokens):
+            self.reqs[request_id + "-x"] = [0, max_tokens]  # an engine that suffixes ids
+
+        def step(self):
+            clock[0] += 0.010
+            outs = []
+            for rid, r in list(self.reqs.items()):
+                r[0] = min(r[1], r[0] + (1 if r[0] == 0 else 2))
+                outs.append((rid, r[0], r[0] == r[1]))
+                if r[0] == r[1]:
+                    del self.reqs[rid]
+            return outs
+
+    got = bench_vs_vllm.online(Engine(), [[1]] * 3, [5, 5, 5], rate=0.5, seed=3)
+    # arrivals seconds apart (rate 0.5/s): each request alone, its first token one step after arrival
+    # (+ up to one step of waiting where the arrival falls inside a step: never here, the engine idles)
+    assert abs(got["ttft_ms_p50"] - 10.0) < 1e-6 and abs(got["ttft_ms_p99"] - 10.0) < 1e-6
+    assert abs(got["itl_ms_p50"] - 5.0) < 1e-6 and abs(got["itl_ms_p99"] - 5.0) < 1e-6
+    assert bench_vs_vllm.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    # three arrivals within the first step (1000/s): the two late ones wait for it to end and get
+    # their first token one step later
+    import random
+    rng = random.Random(3)
+    a = [rng.expovariate(1000.0)]
+    a += [a[0] + rng.expovariate(1000.0)]
+    a += [a[1] + rng.expovariate(1000.0)]
+    assert a[2] < a[0] + 0.010
+    clock[0] = 0.0
+    got = bench_vs_vllm.online(Engine(), [[1]] * 3, [5, 5, 5], rate=1000.0, seed=3)
+    want = sorted([10.0, (a[0] + 0.020 - a[1]) * 1e3, (a[0] + 0.020 - a[2]) * 1e3])
+    assert abs(got["ttft_ms_p50"] - want[1]) < 1e-6
+    assert abs(got["ttft_ms_p99"] - (want[1] + (want[2] - want[1]) * 0.98)) < 1e-6
