@@ -95,3 +95,27 @@ def test_fp8_cache_matches_the_dequantizing_reference(interpreted, case):
             torch.testing.assert_close(out[rows].float(), ref[rows].float(), atol=2e-2, rtol=2e-2)
         else:
             assert (out[rows] == 7.0).all()
+
+
+def test_a_step_with_long_rows_launches_the_long_tiles():
+    """prefill_attention's launch: the default tiles, the long-row tiles where the step's longest
+    sequence has LONG_KEYS keys or more (not for fp8 caches, not where the caller fixes a config)."""
+    from compilelm.ops import prefill_attention as pa
+
+    launches = []
+
+    class Kernel:  # records the launch's tile constants
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"],
+                                                        kw["num_stages"]))
+
+    q, kc, vc, cu, seq_lens, tables = _batch([40, 1], [5000, 3], 8, 2, 128, 16, torch.float16)
+    run = lambda cache, **kw: pa.prefill_attention(torch.empty_like(q), q, cache, cache, cu, seq_lens, tables, 0.1,  # noqa: E731
+                                                   kernel=Kernel(), **kw)
+    run(kc)
+    run(kc, max_seq_len=pa.LONG_KEYS - 1)
+    run(kc, max_seq_len=5040)
+    run(kc.to(torch.float8_e4m3fn), max_seq_len=5040)
+    run(kc, max_seq_len=5040, config=(32, 32, 4, 1))
+    assert launches == [pa.CONFIGS[128], pa.CONFIGS[128], pa.LONG_CONFIGS[128], pa.CONFIGS[128], (32, 32, 4, 1)]
+    assert pa.LONG_CONFIGS[128] != pa.CONFIGS[128]

@@ -33,7 +33,19 @@ except ImportError:  # CPU-only installs: the CUDA kernels and plain-torch paths
 
 # (head_dim) -> BLOCK_M query vectors, BLOCK_N keys per tile, warps, pipeline stages (H100 / H200)
 CONFIGS = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)}  # the best of 16 on an H200 (bench_prefill_attention --sweep)
+# steps whose longest row has >= LONG_KEYS keys: larger tiles (H200: 1x8192 and a 2048 chunk after 6144
+# cached keys 4-8% faster, 4x2048 2-4% slower; docs/perf.md, "Side by side at c593dc0")
+LONG_CONFIGS = {128: (128, 128, 8, 2)}
+LONG_KEYS = 4096
 _enabled = [True]
+
+
+def config_for(head_dim: int, max_seq_len: int, fp8: bool = False) -> tuple[int, int, int, int]:
+    """The tile configuration for a step whose longest sequence has `max_seq_len` keys (0: unknown);
+    fp8 caches keep CONFIGS (the long tiles are not measured on them)."""
+    if max_seq_len >= LONG_KEYS and head_dim in LONG_CONFIGS and not fp8:
+        return LONG_CONFIGS[head_dim]
+    return CONFIGS[head_dim]
 
 
 def set_enabled(enabled: bool) -> bool:
@@ -82,7 +94,9 @@ def warm_up(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int,
     cu = torch.tensor([0, 3, 4], dtype=torch.int32, device=device)
     seq_lens = torch.tensor([3, 1], dtype=torch.int32, device=device)
     tables = torch.zeros(2, 1, dtype=torch.int32, device=device)
-    prefill_attention(torch.empty_like(query), query, key_cache, value_cache, cu, seq_lens, tables, 1.0)
+    for max_seq_len in {0, LONG_KEYS}:  # each configuration the steps may pick
+        prefill_attention(torch.empty_like(query), query, key_cache, value_cache, cu, seq_lens, tables, 1.0,
+                          max_seq_len=max_seq_len)
 
 
 def prefill_attention(
@@ -98,16 +112,17 @@ def prefill_attention(
     config: tuple[int, int, int, int] | None = None,
     k_scale: float = 1.0,  # fp8 caches: keys = key_cache * k_scale
     v_scale: float = 1.0,  # fp8 caches: values = value_cache * v_scale
+    max_seq_len: int = 0,  # the longest sequence's keys (picks the tiles; 0: unknown)
 ) -> None:
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, num_seqs = key_cache.shape[2], seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return
     group = num_heads // num_kv_heads
-    block_m, block_n, warps, stages = config or CONFIGS[head_dim]
+    fp8 = key_cache.dtype == torch.float8_e4m3fn
+    block_m, block_n, warps, stages = config or config_for(head_dim, max_seq_len, fp8)
     rows = block_m // group
     tiles = num_tokens // rows + num_seqs + 1
-    fp8 = key_cache.dtype == torch.float8_e4m3fn
     (kernel or _prefill_attention_kernel)[(tiles, num_kv_heads)](
         query, key_cache, value_cache, out, cu_seqlens_q, seq_lens, block_tables,
         scale * math.log2(math.e) * (k_scale if fp8 else 1.0), v_scale if fp8 else 1.0, num_seqs, tiles,
@@ -144,11 +159,14 @@ if triton is not None:
         else:
             k = tl.load(k_ptrs)
         k = k.to(q.dtype)  # fp8 caches: exact (k_scale is in qk_scale); else nothing to do
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
+        s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32, unscaled
         if MASK:
-            s = tl.where(key[None, :] <= q_pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
+            s = tl.where(key[None, :] <= q_pos[:, None], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
+        else:  # the scale inside exp2's argument: one FMA an element
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.math.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASK:

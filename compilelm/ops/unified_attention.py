@@ -32,7 +32,8 @@ def _attend(ctx, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
                           head_dim ** -0.5, meta.max_query_len, not split, *scales)
     if split:
         prefill.prefill_attention(out, q, key_cache, value_cache, meta.cu_seqlens_q, meta.seq_lens,
-                                  meta.block_tables, head_dim ** -0.5, k_scale=scales[0], v_scale=scales[1])
+                                  meta.block_tables, head_dim ** -0.5, k_scale=scales[0], v_scale=scales[1],
+                                  max_seq_len=meta.max_seq_len)
     return out.view(n, -1)
 
 

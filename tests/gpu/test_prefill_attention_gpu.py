@@ -14,18 +14,20 @@ from tests.test_ops import make_attention_inputs, mixed_batch
 pytestmark = pytest.mark.gpu
 
 
-def split_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, max_query_len=0, config=None):
+def split_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, max_query_len=0, config=None,
+                    max_seq_len=0):
     out = paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, max_query_len=max_query_len,
                           prefill_rows=False)
-    prefill.prefill_attention(out, query, key_cache, value_cache, cu, seq_lens, tables, scale, config=config)
+    prefill.prefill_attention(out, query, key_cache, value_cache, cu, seq_lens, tables, scale, config=config,
+                              max_seq_len=max_seq_len)
     return out
 
 
-def check(inputs_cpu, config=None):
+def check(inputs_cpu, config=None, max_seq_len=0):
     inputs = cuda(inputs_cpu)
     assert prefill.supported(inputs[0], inputs[1])
     poison_allocator(inputs[0].shape, inputs[0].dtype)
-    out = split_attention(*inputs, config=config)
+    out = split_attention(*inputs, config=config, max_seq_len=max_seq_len)
     torch.cuda.synchronize()
     assert_close(out, paged_attention_ref(*inputs))
     assert torch.count_nonzero(out[int(inputs_cpu[3][-1]):]) == 0  # padding rows: the CUDA kernel zeroes them
@@ -41,19 +43,21 @@ def test_mixed_batch(dtype, block_size, head_size, group, decode_kernel):
                                 seed=head_size + group))
 
 
-@pytest.mark.parametrize("config", [(64, 32, 4, 2), (128, 128, 8, 3), (64, 64, 4, 4)])
+@pytest.mark.parametrize("config", [(64, 32, 4, 2), (128, 128, 8, 3), (64, 64, 4, 4), (128, 128, 8, 2)])
 def test_tile_configs(config):
     check(make_attention_inputs(mixed_batch(seed=3), block_size=16, num_heads=8, num_kv_heads=2, head_size=128,
                                 dtype=torch.bfloat16, num_pad_rows=2), config=config)
 
 
+@pytest.mark.parametrize("long_tiles", [False, True])
 @pytest.mark.parametrize("group", [2, 4])
-def test_long_prompts_and_split_k_decodes(group, decode_kernel):
+def test_long_prompts_and_split_k_decodes(group, long_tiles, decode_kernel):
     # long fresh and chunked prefills (many tiles, the unmasked loop) beside split-K decode rows
-    # whose partials the CUDA prefill kernel still merges
+    # whose partials the CUDA prefill kernel still merges; with the step's longest row given, the
+    # kernel takes the long-row tiles
     batch = [(1, 8192), (2048, 2048), (1, 1), (700, 6000), (64, 8192), (300, 300)]
     check(make_attention_inputs(batch, block_size=16, num_heads=8 * group, num_kv_heads=8, head_size=128,
-                                dtype=torch.bfloat16, num_pad_rows=3))
+                                dtype=torch.bfloat16, num_pad_rows=3), max_seq_len=8192 if long_tiles else 0)
 
 
 def test_prefill_rows_false_needs_the_tiled_shapes():
