@@ -153,6 +153,36 @@ def test_decode_split_k_merges(cluster_merge):
         torch.ops.compilelm.set_cluster_merge(previous)
 
 
+def _poison_freed_memory():
+    """NaN in freed blocks of both of the caching allocator's pools (large: split for the next
+    large allocations; small: 512 blocks of 4 KB): a kernel reading memory it did not write or
+    mask out (a workspace, padding) then changes its output from one call to the next."""
+    big = torch.full((1 << 24,), float("nan"), device=DEV)
+    small = [torch.full((1024,), float("nan"), device=DEV) for _ in range(512)]
+    del big, small
+
+
+@pytest.mark.parametrize("cluster_merge", [True, False])
+def test_decode_gives_the_same_bits_every_call(cluster_merge, decode_kernel):
+    """The same pure-decode call over an fp8 cache repeated, freed memory NaN-poisoned before each:
+    the same bits every time (split merges sum in a fixed order). Clusters (batch 1, short), split-K
+    (batch 1, long), a batch the size of tests/gpu/test_engine_gpu.py's last decodes, and batch 16.
+    In stop 49 the cuda_cores engine test's greedy partings moved from one run of a build to the next
+    while the tensor-core variant's did not."""
+    previous = torch.ops.compilelm.set_cluster_merge(cluster_merge)
+    try:
+        for q_lens, contexts in (([1], [40]), ([1], [6000]), ([1] * 5, [8, 40, 100, 13, 160]),
+                                 ([1] * 16, [300 * i + 5 for i in range(16)])):
+            q, kc, vc, cu, seq_lens, tables = _batch(q_lens, contexts, 32, 8, 128)
+            outs = []
+            for _ in range(3):
+                _poison_freed_memory()
+                outs.append(ops.paged_attention(q, kc, vc, cu, seq_lens, tables, 128 ** -0.5, 1, True, 0.1, 0.02))
+            assert all(torch.equal(outs[0], o) for o in outs[1:]), (q_lens, contexts)
+    finally:
+        torch.ops.compilelm.set_cluster_merge(previous)
+
+
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 8), (32, 8), (16, 2)])
 def test_mixed_batch_with_prior_context(head_size, heads, kv_heads, decode_kernel):
