@@ -52,12 +52,13 @@ def assert_parts_only_at_decode_near_ties(ref_llm, prompts: list[list[int]], got
     parted = []
     for k, (prompt, g, w, lps) in enumerate(zip(prompts, got, want, want_logprobs, strict=True)):
         assert len(g) == len(w) == len(lps), (k, len(g), len(w), len(lps))
+        parting = first_difference(g, w)
         for i, token in enumerate(w):
             logits = forward_logits(ref_llm, list(prompt) + list(w[:i]))[-1]
             prefill = torch.log_softmax(logits, -1)[token].item()
             assert abs(lps[i][token].logprob - prefill) < agree, (
                 f"prompt {k} token {i}: decode logprob {lps[i][token].logprob:.4f}, prefill {prefill:.4f}")
-            if i == first_difference(g, w):
+            if i == parting:
                 assert g[i] in lps[i], f"prompt {k} parts at token {i} to {g[i]}, not among {sorted(lps[i])}"
                 margin = lps[i][token].logprob - lps[i][g[i]].logprob
                 bound = rel * logits.abs().max().item()

@@ -33,8 +33,8 @@ except ImportError:  # CPU-only installs: the CUDA kernels and plain-torch paths
 
 # (head_dim) -> BLOCK_M query vectors, BLOCK_N keys per tile, warps, pipeline stages (H100 / H200)
 CONFIGS = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)}  # the best of 16 on an H200 (bench_prefill_attention --sweep)
-# steps whose longest row has >= LONG_KEYS keys: larger tiles (H200: 1x8192 and a 2048 chunk after 6144
-# cached keys 4-8% faster, 4x2048 2-4% slower; docs/perf.md, "Side by side at c593dc0")
+# steps whose longest row has >= LONG_KEYS keys: larger tiles, faster there and slower on short rows
+# (docs/perf.md, "Side by side at c593dc0")
 LONG_CONFIGS = {128: (128, 128, 8, 2)}
 LONG_KEYS = 4096
 _enabled = [True]
