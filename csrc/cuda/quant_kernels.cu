@@ -1,7 +1,7 @@
 // FP8 quantization row kernels: quant_fp8_per_token, quant_fp8_static, silu_mul_quant_fp8
 // (entry points and checks: fused_ops.cpp), and SiLU-and-mul alone (silu_mul_linear's
 // fallback above two rows, gate_up_silu_mul's below three). One program per token row (SiLU-and-mul
-// alone: several, each a slice of the row):
+// alone: several, each a slice of the row; kDynamic on sm_90+: a cluster of blocks, below):
 //
 //   y = x, or with silu_mul  y = T(T(silu(gate)) * up)  (torch's roundings of F.silu(gate) * up)
 //   kNone     store y (x's dtype)
@@ -10,6 +10,8 @@
 //             (y is recomputed from the row the same thread just read: L1/L2 hits)
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
+
+#include <cooperative_groups.h>
 
 #include <algorithm>
 
@@ -80,6 +82,65 @@ __global__ void quant_kernel(const RowParams p) {
   }
 }
 
+// kDynamic on sm_90+: a row over a thread block cluster of kClusterBlocks blocks. One block a
+// row leaves a decode batch's few rows on as many SMs, and SiLU's expf and division make that
+// ALU-bound (a 14336-column row: ~8 us on one SM). Each block computes y for its slice of the row
+// once, keeps it in registers (at most kClusterChunks vectors a thread), takes its slice's amax,
+// reads the other blocks' through distributed shared memory after a cluster barrier, and
+// quantizes its slice; the second barrier keeps every block's shared memory alive until all
+// reads are done. The same y, amax and scale as quant_kernel: the same bits.
+constexpr int kClusterBlocks = 8;  // the portable cluster size
+constexpr int kClusterThreads = 256;
+constexpr int kClusterChunks = 4;
+constexpr int64_t kClusterMaxVectors = int64_t{kClusterBlocks} * kClusterThreads * kClusterChunks;
+
+template <typename T, int N, bool kSiluMul>
+__global__ void __launch_bounds__(kClusterThreads) quant_dynamic_cluster_kernel(const RowParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  wait_for_prior_kernels();
+  allow_dependent_kernels();
+  __shared__ float s_amax;
+  const int64_t row = blockIdx.x;  // grid (rows, kClusterBlocks), clusters (1, kClusterBlocks)
+  const int rank = static_cast<int>(blockIdx.y);
+  const int chunks = p.cols / N;
+  const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
+  float y[kClusterChunks][N];
+  float amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < kClusterChunks; ++j) {
+    const int c = (j * kClusterBlocks + rank) * kClusterThreads + threadIdx.x;
+    if (c < chunks) {
+      load_y<T, N, kSiluMul>(x, p.cols, c, y[j]);
+#pragma unroll
+      for (int i = 0; i < N; ++i) amax = fmaxf(amax, fabsf(y[j][i]));
+    }
+  }
+  amax = block_reduce<true>(amax);
+  if (threadIdx.x == 0) s_amax = amax;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+#pragma unroll
+  for (int r = 0; r < kClusterBlocks; ++r) amax = fmaxf(amax, *cluster.map_shared_rank(&s_amax, r));
+  const float scale = dynamic_scale(amax);
+  if (rank == 0 && threadIdx.x == 0) p.scale[row] = scale;
+  auto* out = static_cast<__nv_fp8_storage_t*>(p.out) + row * p.cols;
+#pragma unroll
+  for (int j = 0; j < kClusterChunks; ++j) {
+    const int c = (j * kClusterBlocks + rank) * kClusterThreads + threadIdx.x;
+    if (c < chunks) {
+      Vec<__nv_fp8_storage_t, N> q;
+#pragma unroll
+      for (int i = 0; i < N; ++i) q.v[i] = quant_fp8(y[j][i], scale);
+      store_vec<__nv_fp8_storage_t, N>(out, c, q);
+    }
+  }
+  cluster.sync();
+#elif defined(__CUDA_ARCH__)
+  __trap();  // launched on sm_90+ only
+#endif
+}
+
 // kNone (SiLU-and-mul alone): 128 threads a block, the row split over blocks, so that a few rows
 // (decode at batch 1-2) still spread over the SMs: one 1024-thread block for a 14336-column row
 // is slower than Inductor's kernel (docs/perf.md, "fuse_act_linear").
@@ -96,6 +157,10 @@ void launch(const RowParams& p, QuantMode quant) {
                   kNoneThreads, 0, stream, p);
   } else if (quant == QuantMode::kStatic) {
     launch_kernel(quant_kernel<T, N, kSiluMul, QuantMode::kStatic>, p.rows, threads, 0, stream, p);
+  } else if (p.cols / N <= kClusterMaxVectors && at::cuda::getCurrentDeviceProperties()->major >= 9) {
+    launch_kernel_in_clusters(quant_dynamic_cluster_kernel<T, N, kSiluMul>,
+                              dim3(static_cast<unsigned>(p.rows), kClusterBlocks), dim3(1, kClusterBlocks, 1),
+                              kClusterThreads, 0, stream, p);
   } else {
     launch_kernel(quant_kernel<T, N, kSiluMul, QuantMode::kDynamic>, p.rows, threads, 0, stream, p);
   }
