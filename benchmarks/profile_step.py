@@ -15,6 +15,7 @@ ops from csrc, copies, sampling, other), so a reader sees what a fusion or a ker
 win. No asserts; a table per case and JSON.
 
     python benchmarks/profile_step.py [--models dummy:smollm2-135m] [--batches 1 64] [--context 1024]
+                                      [--quantization fp8] [--max-model-len 16512]
     python benchmarks/profile_step.py --models dummy:qwen3-0.6b --batches --prefill 16x2000
 """
 
@@ -139,8 +140,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 64])
     ap.add_argument("--prefill", action="append", default=[], metavar="NxLEN", help="profile a prefill of N prompts")
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="the engine's (default: what the cases need; bench_vs_vllm runs at 16512)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--temperature", type=float, default=0.0, help="decode cases: sample (> 0) or greedy (0)")
+    ap.add_argument("--quantization", choices=["none", "fp8"], default="none", help="fp8: FP8 W8A8 linears")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -151,7 +155,9 @@ def main(argv=None) -> dict:
     payload = dict(args=vars(args), cases=cases)
     for name in args.models:
         longest = max([args.context + 8 * args.steps] + [int(p.split("x")[1]) for p in args.prefill]) + 64
+        longest = max(longest, args.max_model_len or 0)
         llm = LLM(model=name, dtype="bfloat16", max_model_len=longest,
+                  quantization=None if args.quantization == "none" else args.quantization,
                   max_num_seqs=max(args.batches + [int(p.split("x")[0]) for p in args.prefill]),
                   max_num_batched_tokens=8192)
         for spec in args.prefill:
@@ -165,7 +171,7 @@ def main(argv=None) -> dict:
             print_table(s["top"][:15], ["kind", "calls_per_step", "us_per_call", "us_per_step", "name"])
             write_result("profile_step", payload, args.out)
         for batch in args.batches:
-            case = dict(model=name, batch=batch, context=args.context,
+            case = dict(model=name, quantization=args.quantization, batch=batch, context=args.context,
                         **run_case(llm.engine, batch, args.context, args.steps, args.temperature))
             cases.append(case)
             write_result("profile_step", payload, args.out)

@@ -62,7 +62,6 @@ constexpr int kMaxRows = 16;  // two n8 tiles of x rows
 constexpr int kMaxQuantRows = 8;  // the quant prologue: one tile
 constexpr int64_t kMaxQuantBytes = 48 * 1024;  // its quantized rows: dynamic shared memory, beside the static
 constexpr int kTileRows = 16;  // weight rows per block: the mma's M
-constexpr int kWarps = 4;     // warps per block, splitting K
 constexpr int kLoads = 4;     // 16-byte chunks per lane and weight row, per step
 constexpr int kStep = 4 * kLoads;  // chunks of a row one warp covers per step (4 lanes share a row)
 
@@ -103,8 +102,9 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1
 #endif
 }
 
-// XIn: uint8_t for fp8 x (scales given), else x's type (kQuant: quantized per token in the prologue)
-template <typename T, int kTiles, typename XIn>
+// XIn: uint8_t for fp8 x (scales given), else x's type (kQuant: quantized per token in the prologue).
+// kWarps: warps per block, splitting K (launch_fp8_stream_mm picks 4 or 8).
+template <typename T, int kTiles, typename XIn, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32) fp8_stream_mm_kernel(const Fp8StreamParams p) {
   constexpr bool kQuant = !std::is_same_v<XIn, uint8_t>;
   static_assert(!kQuant || kTiles * 8 <= kMaxQuantRows, "the quant prologue takes one tile of rows");
@@ -227,28 +227,48 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_stream_mm_kernel(const Fp8Str
   }
 }
 
+// Blocks of the one-tile kernel with kWarps warps resident on the GPU at once (the quant prologue's
+// at its largest shared memory). Called after the prologue kernels' shared-memory limit is raised.
+template <typename T, typename XIn, int kWarps>
+int64_t stream_capacity() {
+  static const int64_t blocks = resident_blocks(fp8_stream_mm_kernel<T, 1, XIn, kWarps>, kWarps * 32,
+                                                std::is_same_v<XIn, uint8_t> ? 0 : kMaxQuantBytes);
+  return blocks;
+}
+
+// One tile of x rows: 8 warps a block where all the launch's blocks are resident at once, else 4.
+// Twice the loads in flight per block pays where the grid is small (a weight of 4096 rows: 256
+// blocks, about two an SM); where the blocks would not fit in one wave, the second wave's tail
+// costs more (docs/perf.md, "FP8 GEMMs by row count").
 template <typename T, typename XIn>
 void launch_fp8_stream_mm(const Fp8StreamParams& p) {
   const dim3 grid((p.n + kTileRows - 1) / kTileRows);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if constexpr (!std::is_same_v<XIn, uint8_t>) {
-    const auto kernel = fp8_stream_mm_kernel<T, 1, XIn>;
-    // dynamic + static shared memory may pass the default 48 KiB: raise the kernel's dynamic limit
+    // dynamic + static shared memory may pass the default 48 KiB: raise the kernels' dynamic limit
     // to kMaxQuantBytes, once per device (a function attribute, not a stream operation: capture-safe)
     static std::atomic<uint64_t> raised{0};  // bit d: done on device d (devices past 63: every call)
     const int device = c10::cuda::current_device();
     const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
     if (bit == 0 || (raised.load(std::memory_order_relaxed) & bit) == 0) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(kMaxQuantBytes)));
+      for (const auto kernel : {fp8_stream_mm_kernel<T, 1, XIn, 8>, fp8_stream_mm_kernel<T, 1, XIn, 4>}) {
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(kMaxQuantBytes)));
+      }
       raised.fetch_or(bit, std::memory_order_relaxed);
     }
     const size_t shared = static_cast<size_t>(p.m) * p.k;  // the quantized rows (<= kMaxQuantBytes: checked)
-    launch_kernel(kernel, grid, dim3(kWarps * 32), shared, stream, p);
+    if (grid.x <= stream_capacity<T, XIn, 8>()) {
+      launch_kernel(fp8_stream_mm_kernel<T, 1, XIn, 8>, grid, dim3(8 * 32), shared, stream, p);
+    } else {
+      launch_kernel(fp8_stream_mm_kernel<T, 1, XIn, 4>, grid, dim3(4 * 32), shared, stream, p);
+    }
+  } else if (p.m <= 8 && grid.x <= stream_capacity<T, XIn, 8>()) {
+    launch_kernel(fp8_stream_mm_kernel<T, 1, XIn, 8>, grid, dim3(8 * 32), 0, stream, p);
   } else if (p.m <= 8) {
-    launch_kernel(fp8_stream_mm_kernel<T, 1, XIn>, grid, dim3(kWarps * 32), 0, stream, p);
+    launch_kernel(fp8_stream_mm_kernel<T, 1, XIn, 4>, grid, dim3(4 * 32), 0, stream, p);
   } else {
-    launch_kernel(fp8_stream_mm_kernel<T, 2, XIn>, grid, dim3(kWarps * 32), 0, stream, p);
+    launch_kernel(fp8_stream_mm_kernel<T, 2, XIn, 4>, grid, dim3(4 * 32), 0, stream, p);
   }
 }
 

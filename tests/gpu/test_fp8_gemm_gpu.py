@@ -17,7 +17,9 @@ from compilelm.ops.quant import quant_fp8_per_token_ref
 pytestmark = pytest.mark.gpu
 FP8 = torch.float8_e4m3fn
 ROWS = (1, 2, 3, 4, 8, 16, 64, 65, 256)
-SHAPES = ((4096, 4096), (1000, 208), (333, 1040), (6144, 4096))  # (N, K): ragged N, K not a multiple of 128
+# (N, K): ragged N, K not a multiple of 128; on an H100/H200 the stream kernel takes 8 warps a block
+# up to ~264 blocks of 16 weight rows (N <= ~4224), 4 above
+SHAPES = ((4096, 4096), (1000, 208), (333, 1040), (6144, 4096), (4096, 14336))
 
 
 def sm90() -> bool:
@@ -76,14 +78,15 @@ def test_routed_op(m, per_tensor, out_dtype):
     check(torch.ops.compilelm.fp8_linear(q, xs, w, ws, b, out_dtype), q, xs, w, ws, b, out_dtype)
 
 
+@pytest.mark.parametrize("n", [1000, 8192])  # the stream kernel's 8-warp and 4-warp blocks
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 9, 64])
-def test_quant_prologue(m, x_dtype):
+def test_quant_prologue(m, x_dtype, n):
     """fp8_quant_linear (o_proj after fuse_quant_linear): at <= 8 rows fp8_stream_mm quantizes x in
     its prologue, bit for bit what the quant kernel then fp8_stream_mm compute; else the two ops."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8_stream_mm needs sm_89+")
-    n, k = 1000, 4096
+    k = 4096
     g = torch.Generator(device="cuda").manual_seed(7)
     x = (torch.randn(m, k, device="cuda", generator=g) * torch.logspace(-2, 1, m, device="cuda")[:, None]).to(x_dtype)
     _, _, w, ws, b = problem(m, n, k, bias=True)
