@@ -169,6 +169,8 @@ else:
 
         q, xs, w, ws, b = problem(m, n, k, bias=bias, per_tensor=per_tensor)
         want = fp8_linear_ref(q, xs, w, ws, b, torch.float32)
-        for config in (None, (*fp8_tile_config(m, n, k)[:1], 128, 128, 2)):  # BN 64 and 128
+        bm = fp8_tile_config(m, n, k)[0]
+        # BN 64 and 128; K in 2 and 3 slices (odd K: the last slice short; 3 of 128 columns: 4 slices)
+        for config in (None, (bm, 128, 128, 2), (bm, 64, 128, 2, 2), (bm, 64, 128, 2, 3)):
             got = fp8_mm_triton(q, xs, w, ws, b, torch.float32, pdl=False, config=config)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

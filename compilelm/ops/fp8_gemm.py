@@ -17,7 +17,8 @@ kernel of that size:
     streamed once with 16-byte loads, fp8 mma.sync on tensor cores, scales in the epilogue;
   - M <= TRITON_MAX_ROWS on sm_90: `fp8_mm_triton` below, TMA loads + wgmma (the weight tile as
     the A operand, x's rows the narrow N extent, as compilelm/ops/hopper_gemm.py), scales and bias
-    in the epilogue, launched with programmatic dependent launch;
+    in the epilogue, launched with programmatic dependent launch; where the weight has too few
+    rows to fill the SMs, K is split and a second kernel sums the slices in order;
   - else (prefill), and for layouts the kernels do not take: `torch._scaled_mm` (cuBLASLt, rowwise
     scales), where it takes the call (K and N multiples of 16; off sm_90 a bf16 output only: its
     rowwise path there is CUTLASS's); any other call: the reference (dequantized, fp32).
@@ -264,63 +265,117 @@ def _(x, weight, weight_scale, bias, out_dtype):
 
 # -- CUDA: the Triton kernel for up to 64 rows ------------------------------------------------
 
-def fp8_tile_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BM, BN, BK, stages) for m rows of an [n, k] fp8 weight. BM: m rounded up to 16/32/64
-    (wgmma's N extent); BN: 64 weight rows (one wgmma M), 128 for wide weights (gate_up, LM head)
-    so the grid stays a few waves; BK: 128 bytes, one swizzled TMA row; as many stages as
-    160 KB of shared memory hold (at most 8; the rest of the 227 KB is left to the epilogue's
-    layout conversion of the fp32 tile). Not swept on hardware yet: a starting point."""
+def fp8_tile_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, stages, split) for m rows of an [n, k] fp8 weight on a GPU of `sms` SMs. BM: m
+    rounded up to 16/32/64 (wgmma's N extent); BN: 64 weight rows (one wgmma M), 128 for wide
+    weights (gate_up, LM head) so the grid stays a few waves; BK: 128 bytes, one swizzled TMA row;
+    as many stages as 160 KB of shared memory hold (at most 8; the rest of the 227 KB is left to
+    the epilogue's layout conversion of the fp32 tile). split: K cut into that many slices where
+    the grid would fill at most half the SMs (a 4096-row weight: 64 blocks), so every SM streams
+    weight; each slice keeps at least 4 K tiles."""
     bm = max(16, 1 << (m - 1).bit_length())
     bn = 128 if n >= 16384 else 64
     bk = 128
     stages = max(2, min(8, (160 * 1024) // ((bn + bm) * bk)))
-    return bm, bn, bk, stages
+    blocks = -(-n // bn)
+    split = max(1, min(8, sms // blocks, k // (4 * bk))) if 2 * blocks <= sms else 1
+    return bm, bn, bk, stages, split
 
 
 if triton is not None:
 
     @triton.jit(do_not_specialize=["M"])
-    def fp8_mm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, stride_ym,
+    def fp8_mm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, K_SPLIT, stride_ym,
                       XS_STRIDE: tl.constexpr, WS_STRIDE: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                      BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, SPLIT: tl.constexpr,
+                      PDL: tl.constexpr):
         # x_desc: fp8 [M, K] in tiles [BM, BK] (rows past M, columns past K read as zeros);
-        # w_desc: fp8 [N, K] in tiles [BN, BK]; the block computes out.T's rows pid * BN ... + BN
+        # w_desc: fp8 [N, K] in tiles [BN, BK]; the block computes out.T's rows pid * BN ... + BN over
+        # K slice program_id(1) (K_SPLIT columns, a multiple of BK). SPLIT > 1: the unscaled fp32 sum
+        # goes to part_ptr [SPLIT, M, N] for fp8_split_reduce_kernel.
         pid = tl.program_id(0)
         if PDL:
             tl.extra.cuda.gdc_wait()  # x is the previous kernel's output; out may still be read by it
             tl.extra.cuda.gdc_launch_dependents()
         acc = tl.zeros((BN, BM), tl.float32)
-        for k in tl.range(0, K, BK, num_stages=STAGES):
+        k_lo = tl.program_id(1) * K_SPLIT
+        for k in tl.range(k_lo, tl.minimum(K, k_lo + K_SPLIT), BK, num_stages=STAGES):
             # fp32 promotion after every BK products (Hopper's fp8 wgmma accumulates with fewer bits)
             acc = tl.dot(w_desc.load([pid * BN, k]), x_desc.load([0, k]).T, acc, max_num_imprecise_acc=BK)
         rm = tl.arange(0, BM)
         rn = pid * BN + tl.arange(0, BN)
-        xs = tl.load(xs_ptr + rm * XS_STRIDE, mask=rm < M, other=0.0)
-        ws = tl.load(ws_ptr + rn * WS_STRIDE, mask=rn < N, other=0.0)
-        out = acc * xs[None, :] * ws[:, None]
+        mask = (rm[None, :] < M) & (rn[:, None] < N)
+        if SPLIT > 1:
+            tl.store(part_ptr + (tl.program_id(1) * M + rm[None, :]) * N + rn[:, None], acc, mask=mask)
+        else:
+            xs = tl.load(xs_ptr + rm * XS_STRIDE, mask=rm < M, other=0.0)
+            ws = tl.load(ws_ptr + rn * WS_STRIDE, mask=rn < N, other=0.0)
+            out = acc * xs[None, :] * ws[:, None]
+            if HAS_BIAS:
+                out += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], out.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def fp8_split_reduce_kernel(part_ptr, xs_ptr, ws_ptr, bias_ptr, y_ptr, M, N, stride_ym,
+                                XS_STRIDE: tl.constexpr, WS_STRIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        # out[m, n] = T(sum over the SPLIT partials in order * x_scale[m] * w_scale[n] + bias[n])
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        valid = idx < M * N
+        acc = tl.load(part_ptr + idx, mask=valid, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            acc += tl.load(part_ptr + s * M * N + idx, mask=valid, other=0.0)
+        m, n = idx // N, idx % N
+        out = acc * tl.load(xs_ptr + m * XS_STRIDE, mask=valid, other=0.0) \
+            * tl.load(ws_ptr + n * WS_STRIDE, mask=valid, other=0.0)
         if HAS_BIAS:
-            out += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], out.to(y_ptr.dtype.element_ty),
-                 mask=(rm[None, :] < M) & (rn[:, None] < N))
+            out += tl.load(bias_ptr + n, mask=valid, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m * stride_ym + n, out.to(y_ptr.dtype.element_ty), mask=valid)
 
 
 def fp8_mm_triton(x: Tensor, x_scale: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None,
                   out_dtype: torch.dtype, pdl: bool | None = None, config=None) -> Tensor:
     """The Triton kernel (x: fp8 [1..64, K], 16-byte aligned rows, K a multiple of 16; contiguous
-    scales; bias contiguous [N] or None). pdl: None = compilelm's programmatic-launch setting."""
+    scales; bias contiguous [N] or None). pdl: None = compilelm's programmatic-launch setting.
+    config: fp8_tile_config's tuple (a 4-tuple: no split)."""
     m, k = x.shape
     n = weight.shape[0]
     torch._check(1 <= m <= TRITON_MAX_ROWS, lambda: f"fp8_mm_triton: 1..{TRITON_MAX_ROWS} rows, got {m}")
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if pdl is None:
         pdl = x.is_cuda and torch.ops.compilelm.programmatic_launch()
-    bm, bn, bk, stages = config or fp8_tile_config(m, n, k)
+    if config is None:
+        config = fp8_tile_config(m, n, k, _sm_count(x.device))
+    bm, bn, bk, stages, split = (*config, 1)[:5]
+    k_split = -(-k // (split * bk)) * bk  # columns of a K slice, a multiple of BK
+    split = -(-k // k_split)  # (no empty slice)
     x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
     w_desc = TensorDescriptor.from_tensor(weight, [bn, bk])
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     launch = {"launch_pdl": True} if pdl else {}
-    fp8_mm_kernel[(triton.cdiv(n, bn),)](
-        x_desc, w_desc, x_scale, weight_scale, bias if bias is not None else out, out, m, n, k, out.stride(0),
-        XS_STRIDE=0 if x_scale.numel() == 1 else 1, WS_STRIDE=0 if weight_scale.numel() == 1 else 1,
-        HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, STAGES=stages, PDL=pdl,
+    scales = dict(XS_STRIDE=0 if x_scale.numel() == 1 else 1, WS_STRIDE=0 if weight_scale.numel() == 1 else 1,
+                  HAS_BIAS=bias is not None)
+    b = bias if bias is not None else out
+    fp8_mm_kernel[(triton.cdiv(n, bn), split)](
+        x_desc, w_desc, x_scale, weight_scale, b, out, part, m, n, k, k_split, out.stride(0), **scales,
+        BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split, PDL=pdl,
         num_warps=4 * (bn // 64), **launch)  # a warpgroup per 64 weight rows (the promotion doubles the accumulators)
+    if split > 1:
+        fp8_split_reduce_kernel[(triton.cdiv(m * n, 1024),)](
+            part, x_scale, weight_scale, b, out, m, n, out.stride(0), **scales, SPLIT=split, BLOCK=1024, PDL=pdl,
+            num_warps=4, **launch)
     return out
+
+
+_sms: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # (the interpreter: an H100/H200's count, so the tests take the GPU's tiles)
+    if device.index not in _sms:
+        _sms[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _sms[device.index]

@@ -11,7 +11,7 @@ import torch
 
 import compilelm.ops  # noqa: F401
 from compilelm.ops import fp8_gemm
-from compilelm.ops.fp8_gemm import fp8_linear_ref, fp8_mm_triton, route
+from compilelm.ops.fp8_gemm import fp8_linear_ref, fp8_mm_triton, fp8_tile_config, route
 from compilelm.ops.quant import quant_fp8_per_token_ref
 
 pytestmark = pytest.mark.gpu
@@ -67,6 +67,8 @@ def test_triton_kernel(m, n, k):
     q, xs, w, ws, b = problem(m, n, k, bias=m % 2 == 1)
     for pdl in (False, True):
         check(fp8_mm_triton(q, xs, w, ws, b, torch.bfloat16, pdl=pdl), q, xs, w, ws, b, torch.bfloat16)
+    split3 = (*fp8_tile_config(m, n, k)[:4], 3)  # K in 3 slices, whatever the default splits
+    check(fp8_mm_triton(q, xs, w, ws, b, torch.bfloat16, config=split3), q, xs, w, ws, b, torch.bfloat16)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
