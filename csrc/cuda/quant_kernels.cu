@@ -82,9 +82,11 @@ __global__ void quant_kernel(const RowParams p) {
   }
 }
 
-// kDynamic on sm_90+: a row over a thread block cluster of kClusterBlocks blocks. One block a
-// row leaves a decode batch's few rows on as many SMs, and SiLU's expf and division make that
-// ALU-bound (a 14336-column row: ~8 us on one SM). Each block computes y for its slice of the row
+// kDynamic on sm_90+, where one 1024-thread block a row would not fill the GPU (fewer rows than
+// two an SM: decode batches): a row over a thread block cluster of kClusterBlocks blocks. One
+// block a row leaves a decode batch's few rows on as many SMs, and SiLU's expf and division make
+// that ALU-bound (a 14336-column row: ~8 us on one SM). Prefill's rows fill the GPU either way and
+// keep quant_kernel (measured there; the cluster kernel was not). Each block computes y for its slice of the row
 // once, keeps it in registers (at most kClusterChunks vectors a thread), takes its slice's amax,
 // reads the other blocks' through distributed shared memory after a cluster barrier, and
 // quantizes its slice; the second barrier keeps every block's shared memory alive until all
@@ -157,7 +159,8 @@ void launch(const RowParams& p, QuantMode quant) {
                   kNoneThreads, 0, stream, p);
   } else if (quant == QuantMode::kStatic) {
     launch_kernel(quant_kernel<T, N, kSiluMul, QuantMode::kStatic>, p.rows, threads, 0, stream, p);
-  } else if (p.cols / N <= kClusterMaxVectors && at::cuda::getCurrentDeviceProperties()->major >= 9) {
+  } else if (const auto* props = at::cuda::getCurrentDeviceProperties();
+             props->major >= 9 && p.cols / N <= kClusterMaxVectors && p.rows < 2 * props->multiProcessorCount) {
     launch_kernel_in_clusters(quant_dynamic_cluster_kernel<T, N, kSiluMul>,
                               dim3(static_cast<unsigned>(p.rows), kClusterBlocks), dim3(1, kClusterBlocks, 1),
                               kClusterThreads, 0, stream, p);

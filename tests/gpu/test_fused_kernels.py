@@ -36,8 +36,9 @@ OPS = torch.ops.compilelm
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 STEP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}  # relative step of 1 ulp
 # 99: odd rows, the scalar (unvectorized) path; 20480: rows over 1024 threads' worth of vectors;
-# 14336: Llama-3.1-8B's MLP; 72000: past what a cluster of the dynamic quant holds (one block a row)
-SHAPES = [(1, 4096), (33, 64), (7, 99), (3, 20480), (1, 14336), (2, 72000)]
+# 14336: Llama-3.1-8B's MLP; dynamic quant on sm_90+ takes a cluster a row below two rows an SM, one
+# block a row past what a cluster holds (72000) and at prefill's row counts (300)
+SHAPES = [(1, 4096), (33, 64), (7, 99), (3, 20480), (1, 14336), (2, 72000), (300, 4096)]
 
 
 def cuda(args):
