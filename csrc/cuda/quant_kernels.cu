@@ -82,15 +82,15 @@ __global__ void quant_kernel(const RowParams p) {
   }
 }
 
-// kDynamic on sm_90+, where one 1024-thread block a row would not fill the GPU (fewer rows than
-// two an SM: decode batches): a row over a thread block cluster of kClusterBlocks blocks. One
-// block a row leaves a decode batch's few rows on as many SMs, and SiLU's expf and division make
-// that ALU-bound (a 14336-column row: ~8 us on one SM). Prefill's rows fill the GPU either way and
-// keep quant_kernel (measured there; the cluster kernel was not). Each block computes y for its slice of the row
-// once, keeps it in registers (at most kClusterChunks vectors a thread), takes its slice's amax,
-// reads the other blocks' through distributed shared memory after a cluster barrier, and
-// quantizes its slice; the second barrier keeps every block's shared memory alive until all
-// reads are done. The same y, amax and scale as quant_kernel: the same bits.
+// kDynamic on sm_90+ below two rows an SM (decode batches): a row over a thread block cluster of
+// kClusterBlocks blocks. One block a row leaves such a batch on as few SMs as it has rows, and
+// SiLU's expf and division make each ALU-bound (a 14336-column row: ~8 us on one SM). Each block
+// computes y for its slice of the row once, keeps it in registers (at most kClusterChunks vectors
+// a thread), takes its slice's amax, reads the other blocks' through distributed shared memory
+// after a cluster barrier, and quantizes its slice; the second barrier keeps every block's shared
+// memory alive until all reads are done. The same y, amax and scale as quant_kernel: the same
+// bits. Prefill's row counts fill the GPU with quant_kernel and keep it (the cluster kernel was
+// measured at decode sizes only).
 constexpr int kClusterBlocks = 8;  // the portable cluster size
 constexpr int kClusterThreads = 256;
 constexpr int kClusterChunks = 4;
