@@ -18,6 +18,12 @@ def first_difference(got: list[int], want: list[int]) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
 
 
+def _assert_near_tie(k: int, i: int, margin: float, logits: torch.Tensor, rel: float) -> tuple[int, int, float]:
+    bound = rel * logits.abs().max().item()
+    assert abs(margin) < bound, f"prompt {k} parts at token {i} by {margin:.4f} (near-tie bound {bound:.4f})"
+    return k, i, margin
+
+
 def assert_parts_only_at_near_ties(ref_llm, prompts: list[list[int]], got: list[list[int]],
                                    want: list[list[int]], rel: float = 0.02) -> list[tuple[int, int, float]]:
     """`want` are ref_llm's greedy tokens for `prompts`; returns (prompt, token, margin) per parting."""
@@ -30,10 +36,7 @@ def assert_parts_only_at_near_ties(ref_llm, prompts: list[list[int]], got: list[
         if i is None:
             continue
         logits: torch.Tensor = forward_logits(ref_llm, list(prompt) + list(w[:i]))[-1]
-        margin = (logits[w[i]] - logits[g[i]]).item()
-        bound = rel * logits.abs().max().item()
-        assert abs(margin) < bound, f"prompt {k} parts at token {i} by {margin:.4f} (near-tie bound {bound:.4f})"
-        parted.append((k, i, margin))
+        parted.append(_assert_near_tie(k, i, (logits[w[i]] - logits[g[i]]).item(), logits, rel))
     return parted
 
 
@@ -60,9 +63,6 @@ def assert_parts_only_at_decode_near_ties(ref_llm, prompts: list[list[int]], got
                 f"prompt {k} token {i}: decode logprob {lps[i][token].logprob:.4f}, prefill {prefill:.4f}")
             if i == parting:
                 assert g[i] in lps[i], f"prompt {k} parts at token {i} to {g[i]}, not among {sorted(lps[i])}"
-                margin = lps[i][token].logprob - lps[i][g[i]].logprob
-                bound = rel * logits.abs().max().item()
-                assert abs(margin) < bound, f"prompt {k} parts at token {i} by {margin:.4f} (bound {bound:.4f})"
-                parted.append((k, i, margin))
+                parted.append(_assert_near_tie(k, i, lps[i][token].logprob - lps[i][g[i]].logprob, logits, rel))
                 break
     return parted

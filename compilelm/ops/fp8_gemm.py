@@ -181,6 +181,7 @@ def _kernels_take(x: Tensor, weight: Tensor, x_scale: Tensor, weight_scale: Tens
 
 _stream_kernel: dict[int, bool] = {}  # device index -> fp8_stream_mm runs there (sm_89+ and a CUDA build)
 _sm90: dict[int, bool] = {}
+_sms: dict[int, int] = {}  # device index -> SM count (fp8_tile_config's split)
 
 
 def _probe(device: torch.device) -> None:
@@ -189,6 +190,7 @@ def _probe(device: torch.device) -> None:
         _stream_kernel[device.index] = cap >= (8, 9) and torch._C._dispatch_has_kernel_for_dispatch_key(
             "compilelm::fp8_stream_mm", "CUDA")
         _sm90[device.index] = cap[0] == 9
+        _sms[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _has_stream_kernel(device: torch.device) -> bool:
@@ -370,12 +372,8 @@ def fp8_mm_triton(x: Tensor, x_scale: Tensor, weight: Tensor, weight_scale: Tens
     return out
 
 
-_sms: dict[int, int] = {}
-
-
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # (the interpreter: an H100/H200's count, so the tests take the GPU's tiles)
-    if device.index not in _sms:
-        _sms[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    _probe(device)
     return _sms[device.index]
