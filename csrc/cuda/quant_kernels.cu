@@ -84,7 +84,7 @@ __global__ void quant_kernel(const RowParams p) {
 
 // kDynamic on sm_90+ below two rows an SM (decode batches): a row over a thread block cluster of
 // kClusterBlocks blocks. One block a row leaves such a batch on as few SMs as it has rows, and
-// SiLU's expf and division make each ALU-bound (a 14336-column row: ~8 us on one SM). Each block
+// SiLU's expf and division make each ALU-bound (docs/perf.md, "FP8 GEMMs by row count"). Each block
 // computes y for its slice of the row once, keeps it in registers (at most kClusterChunks vectors
 // a thread), takes its slice's amax, reads the other blocks' through distributed shared memory
 // after a cluster barrier, and quantizes its slice; the second barrier keeps every block's shared
