@@ -9,16 +9,17 @@ one fp8 step (adjacent codes), and at most 0.1% of the elements. A dynamic scale
 one rounding step of the activation dtype (its amax element can), so the codes are compared with
 the reference values quantized with the kernel's own scale, and the scales with that tolerance.
 
-Run as a script (`python -m tests.gpu.test_fused_kernels OUT.json`) for the timing table: each
-fused kernel vs its unfused eager torch composition.
+Run as a script (`python -m tests.gpu.test_fused_kernels OUT.json [--tokens 1 64 2048 16384]
+[--inductor-from 64]`) for the timing table: each fused kernel vs its unfused eager torch
+composition, and vs that composition compiled by Inductor (what the graph runs with the pass off).
 """
 
+import argparse
 import gc
 import glob
 import json
 import os
 import statistics
-import sys
 
 import pytest
 import torch
@@ -35,10 +36,12 @@ pytestmark = pytest.mark.gpu
 OPS = torch.ops.compilelm
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 STEP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}  # relative step of 1 ulp
-# 99: odd rows, the scalar (unvectorized) path; 20480: rows over 1024 threads' worth of vectors;
-# 14336: Llama-3.1-8B's MLP; dynamic quant on sm_90+ takes a cluster a row below two rows an SM, one
-# block a row past what a cluster holds (72000) and at prefill's row counts (300)
-SHAPES = [(1, 4096), (33, 64), (7, 99), (3, 20480), (1, 14336), (2, 72000), (300, 4096)]
+# 99: odd rows, the scalar (unvectorized) path; 20480: rows over 1024 threads' worth of vectors and
+# past the register-row kernels (2048 vectors); 14336: Llama-3.1-8B's MLP; dynamic quant on sm_90+
+# takes a cluster a row below two rows an SM, one block a row past what a cluster holds (72000) and
+# at prefill's row counts (300: the row in registers, 1 / 2 / 4 vectors a thread by dtype and width,
+# or past 8192 16-bit columns one block of 256 threads a row)
+SHAPES = [(1, 4096), (33, 64), (7, 99), (3, 20480), (1, 14336), (2, 72000), (300, 99), (300, 4096), (300, 14336)]
 
 
 def cuda(args):
@@ -133,13 +136,16 @@ def test_silu_mul_quant(dtype, shape, static):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_fused_add_rms_norm(dtype, shape):
-    # same roundings as the reference; the sum of squares' order can move a value by one step
+    # same roundings as the reference; the sum of squares' order can move T(x * inv_rms) by one
+    # step, which the rounding of weight * it can carry to two; in fp32 that moves most elements
+    # by an ulp or so (the tolerance bounds them), in 16-bit types a few
     x, res, w = rows(*shape, dtype, seed=6, strided=True), rows(*shape, dtype, seed=7), norm_weight(shape[1], dtype)
     out, residual = OPS.fused_add_rms_norm(x, res, w, 1e-6)
     want, want_residual = fused_add_rms_norm_ref(x, res, w, 1e-6)
     assert torch.equal(residual, want_residual)
-    torch.testing.assert_close(out, want, rtol=max(STEP[dtype], 1e-5), atol=1e-6)
-    assert (out != want).float().mean().item() <= (1e-3 if dtype != torch.float32 else 0.5)
+    torch.testing.assert_close(out, want, rtol=2 * STEP[dtype] if dtype != torch.float32 else 1e-5, atol=1e-6)
+    if dtype != torch.float32:
+        assert (out != want).float().mean().item() <= 1e-3
 
 
 def rope_fp32_ref(positions, x, cos_sin, weight, eps):
@@ -311,50 +317,79 @@ def _median_us(fn, iters=200, warmup=20):
     return statistics.median(times)
 
 
-def _bench_cases(num_tokens, hidden=4096, dtype=torch.bfloat16):
+def _bench_cases(num_tokens, hidden=4096, mlp=14336, dtype=torch.bfloat16):
+    """name -> (fused call, the unfused composition, bytes the op must move)."""
     x, res, w = rows(num_tokens, hidden, dtype, 1), rows(num_tokens, hidden, dtype, 2), norm_weight(hidden, dtype)
     gate_up = rows(num_tokens, 2 * hidden, dtype, 3)
+    mlp_gate_up = rows(num_tokens, 2 * mlp, dtype, 4)
     s = STATIC_SCALE.cuda()
     rope = cuda(rope_inputs(dtype, num_tokens, num_heads=32, num_kv_heads=8, head_size=128))
     positions, q, k, v, cos_sin, _, _, eps, key_cache, value_cache, slots = rope
     qn_w, kn_w = norm_weight(128, dtype), norm_weight(128, dtype)
     rope_args = [positions, q, k, v, cos_sin, None, None, eps, key_cache, value_cache, slots]
     qk_args = [positions, q, k, v, cos_sin, qn_w, kn_w, eps, key_cache, value_cache, slots]
+    e, n = x.element_size(), num_tokens * hidden
     return {
-        "quant_fp8_per_token": (lambda: OPS.quant_fp8_per_token(x), lambda: q_ops.quant_fp8_per_token_ref(x)),
-        "quant_fp8_static": (lambda: OPS.quant_fp8_static(x, s), lambda: q_ops.quant_fp8_static_ref(x, s)),
+        "quant_fp8_per_token": (lambda: OPS.quant_fp8_per_token(x), lambda: q_ops.quant_fp8_per_token_ref(x),
+                                n * (e + 1)),
+        "quant_fp8_static": (lambda: OPS.quant_fp8_static(x, s), lambda: q_ops.quant_fp8_static_ref(x, s), n * (e + 1)),
         "rms_norm_quant_fp8 (per token)": (lambda: OPS.rms_norm_quant_fp8(x, w, 1e-6, None),
-                                           lambda: q_ops.quant_fp8_per_token_ref(rms_norm(x, w, 1e-6))),
+                                           lambda: q_ops.quant_fp8_per_token_ref(rms_norm(x, w, 1e-6)), n * (e + 1)),
         "rms_norm_quant_fp8 (static)": (lambda: OPS.rms_norm_quant_fp8(x, w, 1e-6, s),
-                                        lambda: q_ops.quant_fp8_static_ref(rms_norm(x, w, 1e-6), s)),
+                                        lambda: q_ops.quant_fp8_static_ref(rms_norm(x, w, 1e-6), s), n * (e + 1)),
         "fused_add_rms_norm_quant_fp8 (per token)": (
             lambda: OPS.fused_add_rms_norm_quant_fp8(x, res, w, 1e-6, None),
-            lambda: q_ops.quant_fp8_per_token_ref(rms_norm(x + res, w, 1e-6))),
+            lambda: q_ops.quant_fp8_per_token_ref(rms_norm(x + res, w, 1e-6)), n * (3 * e + 1)),
         "fused_add_rms_norm": (lambda: OPS.fused_add_rms_norm(x, res, w, 1e-6),
-                               lambda: fused_add_rms_norm_ref(x, res, w, 1e-6)),
+                               lambda: fused_add_rms_norm_ref(x, res, w, 1e-6), n * 4 * e),
         "silu_mul_quant_fp8 (per token)": (lambda: OPS.silu_mul_quant_fp8(gate_up, None),
-                                           lambda: q_ops.quant_fp8_per_token_ref(silu_and_mul(gate_up))),
+                                           lambda: q_ops.quant_fp8_per_token_ref(silu_and_mul(gate_up)),
+                                           n * (2 * e + 1)),
+        f"silu_mul_quant_fp8 (per token, {mlp})": (
+            lambda: OPS.silu_mul_quant_fp8(mlp_gate_up, None),
+            lambda: q_ops.quant_fp8_per_token_ref(silu_and_mul(mlp_gate_up)), num_tokens * mlp * (2 * e + 1)),
         "rope_and_cache (32/8 heads x 128)": (lambda: OPS.rope_and_cache(*rope_args),
-                                              lambda: rope_and_cache_ref(*rope_args)),
-        "rope_and_cache + qk-norm": (lambda: OPS.rope_and_cache(*qk_args), lambda: rope_and_cache_ref(*qk_args)),
+                                              lambda: rope_and_cache_ref(*rope_args), None),
+        "rope_and_cache + qk-norm": (lambda: OPS.rope_and_cache(*qk_args), lambda: rope_and_cache_ref(*qk_args), None),
     }
 
 
-def main(out_path):
+def main(out_path, token_counts=(1, 4096), inductor_from=None):
+    """The table: each fused kernel vs its eager torch composition, and (at token counts >=
+    inductor_from) vs that composition compiled by Inductor, which is what the graph runs with the
+    fusion pass off."""
     results = []
-    for num_tokens in (1, 4096):
-        for name, (fused, unfused) in _bench_cases(num_tokens).items():
+    for num_tokens in token_counts:
+        for name, (fused, unfused, nbytes) in _bench_cases(num_tokens).items():
             f, u = _median_us(fused), _median_us(unfused)
-            results.append({"op": name, "num_tokens": num_tokens, "hidden": 4096, "dtype": "bfloat16",
-                            "fused_us": round(f, 2), "unfused_torch_us": round(u, 2), "speedup": round(u / f, 2)})
-            print(f"{name:42s} {num_tokens:5d} tokens  fused {f:9.2f} us  unfused torch {u:9.2f} us  x{u / f:5.2f}")
+            row = {"op": name, "num_tokens": num_tokens, "hidden": 4096, "dtype": "bfloat16",
+                   "fused_us": round(f, 2), "unfused_torch_us": round(u, 2), "speedup": round(u / f, 2)}
+            if nbytes:
+                row["fused_tb_s"] = round(nbytes / (f * 1e-6) / 1e12, 2)
+            line = f"{name:42s} {num_tokens:6d} tokens  fused {f:9.2f} us  unfused torch {u:9.2f} us  x{u / f:5.2f}"
+            if inductor_from is not None and num_tokens >= inductor_from and nbytes:
+                torch._dynamo.reset()
+                ind = _median_us(torch.compile(unfused, dynamic=False))
+                row["inductor_us"], row["vs_inductor"] = round(ind, 2), round(ind / f, 2)
+                line += f"  inductor {ind:9.2f} us  x{ind / f:5.2f}"
+            results.append(row)
+            print(line, flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
     data = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": os.environ.get("COMMIT", ""),
             "method": "CUDA events per call, median of 200 after 20 warm-up, L2 flushed before each call; "
-                      "unfused = the eager torch composition (the ops' *_ref functions)",
+                      "unfused = the eager torch composition (the ops' *_ref functions); inductor = that "
+                      "composition under torch.compile (dynamic=False); fused_tb_s = the bytes the op must "
+                      "read and write over the fused time",
             "results": results}
     with open(out_path, "w") as f:
         json.dump(data, f, indent=2)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4096])
+    ap.add_argument("--inductor-from", type=int, default=None, help="token counts that also get an Inductor column")
+    a = ap.parse_args()
+    main(a.out, a.tokens, a.inductor_from)
