@@ -67,4 +67,13 @@ inline int row_threads(int64_t vectors) {
   return static_cast<int>(warps < 1 ? 32 : warps > 32 ? 1024 : warps * 32);
 }
 
+// Vectors a thread of a register-row kernel holds: the smallest power of two up to max_per for
+// which a row of `vectors` needs at most max_threads threads; 0: the row is too long for that.
+inline int reg_vectors_per_thread(int64_t vectors, int max_threads, int max_per) {
+  for (int per = 1; per <= max_per; per *= 2) {
+    if (vectors <= static_cast<int64_t>(max_threads) * per) return per;
+  }
+  return 0;
+}
+
 }  // namespace compilelm::cuda

@@ -1,7 +1,8 @@
 // FP8 quantization row kernels: quant_fp8_per_token, quant_fp8_static, silu_mul_quant_fp8
 // (entry points and checks: fused_ops.cpp), and SiLU-and-mul alone (silu_mul_linear's
 // fallback above two rows, gate_up_silu_mul's below three). One program per token row (SiLU-and-mul
-// alone: several, each a slice of the row; kDynamic on sm_90+: a cluster of blocks, below):
+// alone: several, each a slice of the row; kDynamic on sm_90+ at decode sizes: a cluster of
+// blocks; kDynamic elsewhere: the row in registers where it fits; both below):
 //
 //   y = x, or with silu_mul  y = T(T(silu(gate)) * up)  (torch's roundings of F.silu(gate) * up)
 //   kNone     store y (x's dtype)
@@ -89,8 +90,8 @@ __global__ void quant_kernel(const RowParams p) {
 // a thread), takes its slice's amax, reads the other blocks' through distributed shared memory
 // after a cluster barrier, and quantizes its slice; the second barrier keeps every block's shared
 // memory alive until all reads are done. The same y, amax and scale as quant_kernel: the same
-// bits. Prefill's row counts fill the GPU with quant_kernel and keep it (the cluster kernel was
-// measured at decode sizes only).
+// bits. Prefill's row counts fill the GPU with one block a row (the cluster kernel was measured at
+// decode sizes only).
 constexpr int kClusterBlocks = 8;  // the portable cluster size
 constexpr int kClusterThreads = 256;
 constexpr int kClusterChunks = 4;
@@ -143,6 +144,62 @@ __global__ void __launch_bounds__(kClusterThreads) quant_dynamic_cluster_kernel(
 #endif
 }
 
+// kDynamic elsewhere (prefill's row counts), for rows of at most kRegThreads x kMaxRegVectors
+// vectors (8192 columns of a 16-bit type): quant_kernel with the row's y in registers, a block of
+// at most kRegThreads threads a row, thread t computing vectors t + j * blockDim.x (j < kPer) once,
+// all loads issued before the first use: no second pass over the row (nor SiLU computed twice)
+// and many rows' loads in flight an SM. The same y, amax and scale.
+constexpr int kRegThreads = 256;
+constexpr int kMaxRegVectors = 4;  // 8 would hold 14336 columns, at one block an SM: slower (docs/perf.md)
+// Rows past that run quant_kernel with at most this many threads a row: more rows an SM than
+// 1024-thread blocks, each row's two passes and block reductions out of step with the others'.
+constexpr int kLoopThreads = 256;
+
+template <typename T, int N, bool kSiluMul, int kPer>
+__global__ void __launch_bounds__(kRegThreads) quant_dynamic_reg_kernel(const RowParams p) {
+  wait_for_prior_kernels();
+  allow_dependent_kernels();
+  const int64_t row = blockIdx.x;
+  const int chunks = p.cols / N;
+  const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
+  // every load first; y then overwrites a (y is a value of T: the reference rounds it to T)
+  Vec<T, N> a[kPer], up[kSiluMul ? kPer : 1];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int c = threadIdx.x + j * blockDim.x;
+    if (c < chunks) {
+      a[j] = load_vec<T, N>(x, c);
+      if constexpr (kSiluMul) up[j] = load_vec<T, N>(x + p.cols, c);
+    }
+  }
+  float amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    if (threadIdx.x + j * blockDim.x < chunks) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        float y = to_float(a[j].v[i]);
+        if constexpr (kSiluMul) y = round_to<T>(round_to<T>(y / (1.f + expf(-y))) * to_float(up[j].v[i]));
+        a[j].v[i] = from_float<T>(y);
+        amax = fmaxf(amax, fabsf(y));
+      }
+    }
+  }
+  const float scale = dynamic_scale(block_reduce<true>(amax));
+  if (threadIdx.x == 0) p.scale[row] = scale;
+  auto* out = static_cast<__nv_fp8_storage_t*>(p.out) + row * p.cols;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int c = threadIdx.x + j * blockDim.x;
+    if (c < chunks) {
+      Vec<__nv_fp8_storage_t, N> q;
+#pragma unroll
+      for (int i = 0; i < N; ++i) q.v[i] = quant_fp8(to_float(a[j].v[i]), scale);
+      store_vec<__nv_fp8_storage_t, N>(out, c, q);
+    }
+  }
+}
+
 // kNone (SiLU-and-mul alone): 128 threads a block, the row split over blocks, so that a few rows
 // (decode at batch 1-2) still spread over the SMs: one 1024-thread block for a 14336-column row
 // is slower than Inductor's kernel (docs/perf.md, "fuse_act_linear").
@@ -165,7 +222,17 @@ void launch(const RowParams& p, QuantMode quant) {
                               dim3(static_cast<unsigned>(p.rows), kClusterBlocks), dim3(1, kClusterBlocks, 1),
                               kClusterThreads, 0, stream, p);
   } else {
-    launch_kernel(quant_kernel<T, N, kSiluMul, QuantMode::kDynamic>, p.rows, threads, 0, stream, p);
+    const int64_t chunks = p.cols / N;
+    const int per = reg_vectors_per_thread(chunks, kRegThreads, kMaxRegVectors);
+    const int reg_threads = per > 0 ? row_threads((chunks + per - 1) / per) : 0;
+    switch (per) {
+      case 1: return launch_kernel(quant_dynamic_reg_kernel<T, N, kSiluMul, 1>, p.rows, reg_threads, 0, stream, p);
+      case 2: return launch_kernel(quant_dynamic_reg_kernel<T, N, kSiluMul, 2>, p.rows, reg_threads, 0, stream, p);
+      case 4: return launch_kernel(quant_dynamic_reg_kernel<T, N, kSiluMul, 4>, p.rows, reg_threads, 0, stream, p);
+      default:  // longer rows: the loop kernel, in blocks of at most kLoopThreads
+        launch_kernel(quant_kernel<T, N, kSiluMul, QuantMode::kDynamic>, p.rows, std::min(threads, kLoopThreads), 0,
+                      stream, p);
+    }
   }
 }
 
