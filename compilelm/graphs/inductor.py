@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 from collections.abc import Callable
 
 import torch
@@ -66,9 +67,17 @@ def inductor_patches(post_grad_pass, options: dict | None = None) -> dict:
 @contextlib.contextmanager
 def bypass_caches():
     """Inductor's FX-graph and AOTAutograd caches off for the compiles inside (`--dump`,
-    `--verify`): a cache hit would skip the post-grad passes. Yields Inductor config patches."""
-    with torch._functorch.config.patch(enable_autograd_cache=False):
-        yield {"fx_graph_cache": False}
+    `--verify`): a cache hit would skip the post-grad passes. Yields Inductor config patches.
+    standalone_compile's warning that such a compile has no artifact to save is silenced: a fresh
+    compile is never stored."""
+    log = logging.getLogger("torch._inductor.standalone_compile")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            yield {"fx_graph_cache": False}
+    finally:
+        log.setLevel(level)
 
 
 def compile_piece(piece: Piece, post_grad_pass, size: int | None = None, max_autotune: bool = False,
