@@ -285,17 +285,18 @@ def test_fp8_model_same_tokens_with_and_without_fusions(shape, tmp_path):
         torch.cuda.empty_cache()
     assert all(matches[True].get(name, 0) > 0 for name in FUSIONS), matches[True]
     assert not any(matches[False].get(name, 0) for name in FUSIONS), matches[False]
-    parted = 0
+    parted = []  # (sequence, step, the fused run's token and logprob gap to the other's)
     for seq, (fused, plain) in enumerate(zip(tokens[True], tokens[False])):
         i = next((i for i, (a, b) in enumerate(zip(fused, plain)) if a != b), None)
         if i is None:
             continue
-        parted += 1
         for run, (mine, other) in ((True, (fused[i], plain[i])), (False, (plain[i], fused[i]))):
             top = logprobs[run][seq][i]  # token id -> Logprob, the top 5 and the sampled one
             assert other in top, f"seq {seq} step {i}: {other} is not among the top 5 of the fuse={run} run"
             assert top[mine].logprob - top[other].logprob < 0.5, (seq, i, top[mine], top[other])
-    assert parted <= 1, f"{parted} of {len(tokens[True])} sequences parted"
+        top = logprobs[True][seq][i]
+        parted.append((seq, i, round(top[fused[i]].logprob - top[plain[i]].logprob, 3)))
+    assert len(parted) <= 1, f"{shape}: {len(parted)} of {len(tokens[True])} parted (seq, step, gap): {parted}"
 
 
 # -- timing table (script) ---------------------------------------------------------------------
