@@ -79,17 +79,10 @@ class _Parent:
         return all(c.request.is_finished for c in self.children)
 
 
+# The engine's gc.freeze() is undone at interpreter exit, so the final collection still frees what
+# it froze (extension objects never freed, Triton's among them, report leaks at exit).
+atexit.register(gc.unfreeze)
 
-_unfreeze_at_exit = []  # [True] once registered
-
-
-def _freeze_heap() -> None:
-    """gc.freeze(), undone at interpreter exit: the final collection then still frees what was
-    frozen (extension objects, Triton's among them, that are never freed report leaks at exit)."""
-    gc.freeze()
-    if not _unfreeze_at_exit:
-        atexit.register(gc.unfreeze)
-        _unfreeze_at_exit.append(True)
 
 class LLMEngine:
     @_no_automatic_gc()
@@ -169,7 +162,7 @@ class LLMEngine:
         # collector's generations: every step makes garbage (outputs, plans), and each full
         # collection would walk all of it (docs/perf.md, "Host overhead and async scheduling").
         # No collection first: startup garbage is small, and a collection is not free.
-        _freeze_heap()
+        gc.freeze()
 
     def _check_kv_blocks(self, blocks: int) -> int:
         per_request = -(-self.config.max_model_len // self.config.cache.block_size)
